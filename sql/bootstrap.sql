@@ -1,0 +1,38 @@
+-- pg_dedup: the objects every inbox relies on. Runs first in CREATE EXTENSION (schema "dedup" already exists:
+-- the control file names it and Postgres creates it).
+
+-- The inbox table type: every inbox is a table OF this type. Ids compare byte-wise (COLLATE "C"): they are opaque
+-- keys, C comparison is the fastest, and no OS collation upgrade can ever corrupt the UNIQUE index that decides
+-- what is a duplicate. Being typed, user inboxes depend on the extension: DROP EXTENSION cannot orphan them.
+CREATE TYPE dedup.inbox_row AS (
+    id         text COLLATE "C",
+    expires_at timestamptz
+);
+
+-- One row per inbox. The table of inbox <name> is dedup.inbox_<name>.
+CREATE TABLE dedup.inbox_registry (
+    name        text PRIMARY KEY CHECK (name ~ '^[a-z_][a-z0-9_]{0,47}$'),
+    default_ttl interval NOT NULL CHECK (default_ttl > interval '0'),
+    created_at  timestamptz NOT NULL DEFAULT pg_catalog.now()
+);
+-- pg_dump keeps the registry rows; the default inbox's row is recreated by CREATE EXTENSION itself.
+SELECT pg_catalog.pg_extension_config_dump('dedup.inbox_registry', 'WHERE name <> ''default''');
+
+-- The inbox that exists after CREATE EXTENSION. It belongs to the extension, so pg_dump dumps its rows through
+-- pg_extension_config_dump; inboxes made later by dedup.create_inbox() are ordinary tables, dumped as such.
+CREATE TABLE dedup.inbox_default OF dedup.inbox_row (
+    id WITH OPTIONS PRIMARY KEY,
+    expires_at WITH OPTIONS NOT NULL
+);
+SELECT pg_catalog.pg_extension_config_dump('dedup.inbox_default', '');
+INSERT INTO dedup.inbox_registry (name, default_ttl) VALUES ('default', interval '3 days');
+
+CREATE VIEW dedup.inboxes AS
+SELECT r.name,
+       r.default_ttl,
+       c.oid::pg_catalog.regclass AS relation,
+       r.created_at
+  FROM dedup.inbox_registry r
+  LEFT JOIN pg_catalog.pg_class c
+         ON c.relname OPERATOR(pg_catalog.=) ('inbox_' OPERATOR(pg_catalog.||) r.name)
+        AND c.relnamespace OPERATOR(pg_catalog.=) 'dedup'::pg_catalog.regnamespace;

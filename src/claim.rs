@@ -1,0 +1,119 @@
+//! Claiming ids: the heart of `mark()` and `mark_many()`, plus `seen()` and `forget()`.
+//!
+//! One algorithm serves one id or many, so both obey the same contract:
+//! 1. insert the pending ids with `ON CONFLICT DO NOTHING`. A conflict with a row another transaction is still
+//!    inserting *waits* for that transaction (the blocking claim): if it commits the id is a duplicate, if it
+//!    rolls back our insert goes through. A duplicate writes no WAL and takes no lock.
+//! 2. probe the ids that conflicted: a live row means duplicate; an expired row (not purged yet) is renewed in
+//!    place, atomically (`UPDATE ... WHERE expires_at <= now`), so the id is new again.
+//! 3. anything left vanished between statements (a concurrent purge or forget) or lost a renewal race; go round.
+//!
+//! Ids are processed in sorted order, so two `mark_many()` calls with overlapping ids lock rows in the same order
+//! and cannot deadlock each other.
+
+use crate::errors::raise;
+use crate::inbox::{Inbox, Stmt};
+use pgrx::prelude::*;
+use std::collections::HashSet;
+
+/// Rounds of insert/probe/renew before giving up. Each extra round needs a concurrent purge or forget of the very
+/// same id between two statements, so more than a couple of rounds means something is badly wrong.
+const MAX_ROUNDS: usize = 16;
+
+/// The instant a call measures expiry against: the start of the current statement, so every id in one call (and
+/// the renewal check against the stored expiry) uses the same clock reading.
+pub fn statement_now() -> TimestampWithTimeZone {
+    let now = unsafe { pg_sys::GetCurrentStatementStartTimestamp() };
+    TimestampWithTimeZone::try_from(now).expect("the statement start time is a valid timestamp")
+}
+
+/// `now + ttl` with Postgres' own calendar arithmetic (months and days follow the session time zone).
+pub fn expiry(now: TimestampWithTimeZone, ttl: Interval) -> TimestampWithTimeZone {
+    unsafe {
+        pgrx::direct_function_call::<TimestampWithTimeZone>(
+            pg_sys::timestamptz_pl_interval,
+            &[now.into_datum(), ttl.into_datum()],
+        )
+    }
+    .expect("timestamptz + interval is never NULL")
+}
+
+/// Claims `ids` for the window ending at `expires_at`; returns the ids that were new (inserted or renewed).
+pub fn claim(inbox: &Inbox, ids: &[String], expires_at: TimestampWithTimeZone) -> HashSet<String> {
+    let now = statement_now();
+    let mut pending: Vec<String> = ids.to_vec();
+    pending.sort_unstable();
+    pending.dedup();
+    let mut fresh = HashSet::new();
+    for _ in 0..MAX_ROUNDS {
+        fresh.extend(insert(inbox, &pending, expires_at));
+        pending.retain(|id| !fresh.contains(id));
+        if pending.is_empty() {
+            return fresh;
+        }
+        let (live, expired) = probe(inbox, &pending, now);
+        pending.retain(|id| !live.contains(id));
+        if !expired.is_empty() {
+            let renewed = returned_ids(inbox, Stmt::Renew, &[expired.into(), expires_at.into(), now.into()]);
+            pending.retain(|id| !renewed.contains(id));
+            fresh.extend(renewed);
+        }
+        if pending.is_empty() {
+            return fresh;
+        }
+    }
+    raise(
+        PgSqlErrorCode::ERRCODE_T_R_SERIALIZATION_FAILURE,
+        format!("could not claim {} id(s) in inbox \"{}\" after {MAX_ROUNDS} rounds", pending.len(), inbox.name),
+        "Another session kept deleting and re-creating the same ids; retry the transaction.",
+    )
+}
+
+fn insert(inbox: &Inbox, ids: &[String], expires_at: TimestampWithTimeZone) -> HashSet<String> {
+    if let [id] = ids {
+        // The common case (one new id per transaction) gets the plain single-row INSERT plan.
+        let inserted = Spi::connect(|client| {
+            !inbox.run(client, Stmt::Insert, &[id.as_str().into(), expires_at.into()]).is_empty()
+        });
+        return if inserted { HashSet::from([id.clone()]) } else { HashSet::new() };
+    }
+    returned_ids(inbox, Stmt::InsertMany, &[ids.to_vec().into(), expires_at.into()])
+}
+
+/// Splits the rows visible now into live ids and (sorted) expired ids.
+fn probe(inbox: &Inbox, ids: &[String], now: TimestampWithTimeZone) -> (HashSet<String>, Vec<String>) {
+    let (mut live, mut expired) = (HashSet::new(), Vec::new());
+    Spi::connect(|client| {
+        for row in inbox.run(client, Stmt::Probe, &[ids.to_vec().into()]) {
+            let id: String = row.get(1).ok().flatten().expect("id is NOT NULL");
+            let expires: TimestampWithTimeZone = row.get(2).ok().flatten().expect("expires_at is NOT NULL");
+            if expires > now {
+                live.insert(id);
+            } else {
+                expired.push(id);
+            }
+        }
+    });
+    expired.sort_unstable();
+    (live, expired)
+}
+
+fn returned_ids(inbox: &Inbox, stmt: Stmt, args: &[pgrx::datum::DatumWithOid<'_>]) -> HashSet<String> {
+    Spi::connect(|client| {
+        inbox.run(client, stmt, args).filter_map(|row| row.get::<String>(1).ok().flatten()).collect()
+    })
+}
+
+/// Is there a live mark for `id` visible to this transaction?
+pub fn seen(inbox: &Inbox, id: &str) -> bool {
+    Spi::connect(|client| !inbox.run(client, Stmt::Seen, &[id.into(), statement_now().into()]).is_empty())
+}
+
+/// Deletes the row for `id`, live or expired; true if a live mark was removed.
+pub fn forget(inbox: &Inbox, id: &str) -> bool {
+    Spi::connect(|client| {
+        inbox
+            .run(client, Stmt::Forget, &[id.into(), statement_now().into()])
+            .any(|row| row.get::<bool>(1).ok().flatten() == Some(true))
+    })
+}
