@@ -307,7 +307,7 @@ pub fn drop(name: &str) {
         let inbox = load(name);
         let owner = client
             .select(
-                "SELECT pg_catalog.pg_has_role(relowner, 'USAGE') FROM pg_catalog.pg_class WHERE oid = $1",
+                "SELECT pg_catalog.pg_has_role(relowner, 'USAGE') FROM pg_catalog.pg_class WHERE oid OPERATOR(pg_catalog.=) $1",
                 None,
                 &[inbox.relid.into()],
             )

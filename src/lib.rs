@@ -20,12 +20,3 @@ mod purge;
 
 pgrx::extension_sql_file!("../sql/bootstrap.sql", name = "bootstrap", bootstrap);
 pgrx::extension_sql_file!("../sql/finalize.sql", name = "finalize", finalize);
-
-#[cfg(test)]
-pub mod pg_test {
-    pub fn setup(_options: Vec<&str>) {}
-
-    pub fn postgresql_conf_options() -> Vec<&'static str> {
-        vec![]
-    }
-}

@@ -1,0 +1,29 @@
+# pg_dedup — the two commands of the quick start, and their parts.
+#   make demo    the main job: a live at-least-once replay on a throwaway local Postgres
+#   make test    the whole suite on every supported major (PG_VERSIONS=15 make test to narrow)
+# Both run scripts/setup.sh first: it installs what is missing (apt packages, cargo-pgrx, PostgreSQL 13 and 18
+# built from source) and does nothing when everything is in place.
+
+PG_VERSIONS ?= 13 15 18
+DEMO_PG ?= 15
+export PG_DEDUP_CACHE ?= /var/cache/pg_dedup
+# Compiled dependencies are shared by every checkout (and CI's fresh clones), so only the first build is slow.
+export CARGO_TARGET_DIR ?= $(PG_DEDUP_CACHE)/target
+
+.PHONY: setup demo test install
+setup:
+	@scripts/setup.sh
+
+install: setup
+	@for v in $(PG_VERSIONS); do echo "== installing pg_dedup into PostgreSQL $$v"; scripts/pg.sh install_extension $$v || exit 1; done
+
+demo: setup
+	@scripts/pg.sh install_extension $(DEMO_PG)
+	@PG_CONFIG=$$(scripts/pg.sh pg_config_for $(DEMO_PG)) cargo run -q -p pg_dedup_harness --bin demo -- $(DEMO_ARGS)
+
+test: setup
+	@for v in $(PG_VERSIONS); do \
+	  echo "== PostgreSQL $$v"; \
+	  scripts/pg.sh install_extension $$v || exit 1; \
+	  PG_CONFIG=$$(scripts/pg.sh pg_config_for $$v) cargo test -q -p pg_dedup_tests -- --test-threads=4 || exit 1; \
+	done

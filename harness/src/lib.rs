@@ -1,0 +1,204 @@
+//! Throwaway PostgreSQL clusters for pg_dedup's integration tests, demo and benchmarks.
+//!
+//! A cluster lives in its own temporary directory (data + unix socket, no TCP port), belongs to an unprivileged
+//! user (Postgres refuses to run as root: under root the server runs as `postgres` via `runuser`), and is stopped
+//! and removed when dropped. Which Postgres to run comes from `PG_CONFIG` (default: Debian's PostgreSQL 15); the
+//! extension must already be installed into it (`make test` and `make demo` do that).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+pub use postgres;
+use postgres::{Client, NoTls};
+
+/// The `pg_config` of the Postgres under test.
+pub fn pg_config() -> PathBuf {
+    std::env::var_os("PG_CONFIG")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/usr/lib/postgresql/15/bin/pg_config"))
+}
+
+fn pg_config_value(flag: &str) -> String {
+    let out = Command::new(pg_config()).arg(flag).output().expect("run pg_config (is PG_CONFIG right?)");
+    assert!(out.status.success(), "pg_config {flag} failed");
+    String::from_utf8(out.stdout).expect("pg_config prints UTF-8").trim().to_owned()
+}
+
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// Runs a Postgres program as the server's owner (`postgres` when we are root, ourselves otherwise).
+fn run_as_owner(program: &Path, args: &[&str]) -> Output {
+    let mut cmd = if is_root() {
+        let mut c = Command::new("runuser");
+        c.args(["-u", "postgres", "--"]).arg(program);
+        c
+    } else {
+        Command::new(program)
+    };
+    let out = cmd.args(args).output().unwrap_or_else(|e| panic!("run {}: {e}", program.display()));
+    out
+}
+
+fn check(out: Output, what: &str) {
+    assert!(
+        out.status.success(),
+        "{what} failed: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+static CLUSTERS: AtomicUsize = AtomicUsize::new(0);
+
+pub struct Cluster {
+    dir: PathBuf,
+    bindir: PathBuf,
+    /// Server major version, e.g. 15.
+    pub major: u32,
+    running: AtomicBool,
+}
+
+impl Cluster {
+    /// initdb + start with extra `postgresql.conf` lines (e.g. `shared_preload_libraries = 'pg_dedup'`).
+    pub fn start(conf: &[&str]) -> Cluster {
+        let n = CLUSTERS.fetch_add(1, Ordering::SeqCst);
+        let dir = std::env::temp_dir().join(format!("pg_dedup_{}_{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("create cluster dir");
+        if is_root() {
+            check(Command::new("chown").args(["postgres:"]).arg(&dir).output().unwrap(), "chown cluster dir");
+        }
+        let bindir = PathBuf::from(pg_config_value("--bindir"));
+        let major = pg_config_value("--version")
+            .split_whitespace()
+            .nth(1)
+            .and_then(|v| v.split('.').next())
+            .and_then(|v| v.parse().ok())
+            .expect("pg_config --version looks like 'PostgreSQL 15.x'");
+        let cluster = Cluster { dir, bindir, major, running: AtomicBool::new(false) };
+        let data = cluster.data_dir();
+        check(
+            run_as_owner(
+                &cluster.bindir.join("initdb"),
+                &["-D", data.to_str().unwrap(), "-U", "postgres", "--auth=trust", "--no-sync", "-E", "UTF8"],
+            ),
+            "initdb",
+        );
+        let mut settings = vec![
+            "listen_addresses = ''".to_owned(),
+            format!("unix_socket_directories = '{}'", cluster.dir.display()),
+            "fsync = off".to_owned(),
+            "max_connections = 60".to_owned(),
+            "log_min_messages = warning".to_owned(),
+        ];
+        settings.extend(conf.iter().map(|s| s.to_string()));
+        cluster.append_conf(&settings);
+        cluster.pg_ctl_start();
+        cluster
+    }
+
+    /// A hot standby of this cluster, streaming from it (pg_basebackup -R).
+    pub fn standby(&self) -> Cluster {
+        let n = CLUSTERS.fetch_add(1, Ordering::SeqCst);
+        let dir = std::env::temp_dir().join(format!("pg_dedup_{}_{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("create standby dir");
+        if is_root() {
+            check(Command::new("chown").args(["postgres:"]).arg(&dir).output().unwrap(), "chown standby dir");
+        }
+        let standby = Cluster { dir, bindir: self.bindir.clone(), major: self.major, running: AtomicBool::new(false) };
+        let data = standby.data_dir();
+        check(
+            run_as_owner(
+                &self.bindir.join("pg_basebackup"),
+                &["-D", data.to_str().unwrap(), "-h", self.dir.to_str().unwrap(), "-U", "postgres", "-R", "-X", "stream", "-c", "fast"],
+            ),
+            "pg_basebackup",
+        );
+        standby.append_conf(&[format!("unix_socket_directories = '{}'", standby.dir.display())]);
+        standby.pg_ctl_start();
+        standby
+    }
+
+    fn append_conf(&self, lines: &[String]) {
+        let conf = self.data_dir().join("postgresql.conf");
+        let mut text = std::fs::read_to_string(&conf).expect("read postgresql.conf");
+        for line in lines {
+            text.push_str(line);
+            text.push('\n');
+        }
+        // Written by us (maybe root) into a directory owned by the server user: keep it readable for the server.
+        std::fs::write(&conf, text).expect("write postgresql.conf");
+    }
+
+    fn pg_ctl_start(&self) {
+        let log = self.dir.join("server.log");
+        check(
+            run_as_owner(
+                &self.bindir.join("pg_ctl"),
+                &["-D", self.data_dir().to_str().unwrap(), "-l", log.to_str().unwrap(), "-w", "-t", "60", "start"],
+            ),
+            "pg_ctl start",
+        );
+        self.running.store(true, Ordering::SeqCst);
+    }
+
+    pub fn data_dir(&self) -> PathBuf {
+        self.dir.join("data")
+    }
+
+    /// The server log so far (for failure messages).
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("server.log")).unwrap_or_default()
+    }
+
+    pub fn conn_string(&self, db: &str, user: &str) -> String {
+        format!("host={} port=5432 user={user} dbname={db}", self.dir.display())
+    }
+
+    pub fn connect_as(&self, db: &str, user: &str) -> Client {
+        Client::connect(&self.conn_string(db, user), NoTls)
+            .unwrap_or_else(|e| panic!("connect to {db} as {user}: {e}\n{}", self.log()))
+    }
+
+    pub fn connect(&self, db: &str) -> Client {
+        self.connect_as(db, "postgres")
+    }
+
+    /// Creates database `name` with pg_dedup installed; each test gets its own, so tests run side by side.
+    pub fn fresh_db(&self, name: &str) -> Client {
+        let mut admin = self.connect("postgres");
+        // Two statements: DROP/CREATE DATABASE refuse to run inside the implicit transaction of a batch.
+        admin.batch_execute(&format!("DROP DATABASE IF EXISTS {name}")).expect("drop db");
+        admin.batch_execute(&format!("CREATE DATABASE {name}")).expect("create db");
+        let mut client = self.connect(name);
+        client.batch_execute("CREATE EXTENSION pg_dedup").expect("CREATE EXTENSION pg_dedup");
+        client
+    }
+
+    /// Stops the server (fast shutdown).
+    pub fn stop(&self) {
+        if self.running.swap(false, Ordering::SeqCst) {
+            let _ = run_as_owner(
+                &self.bindir.join("pg_ctl"),
+                &["-D", self.data_dir().to_str().unwrap(), "-m", "fast", "-w", "stop"],
+            );
+        }
+    }
+
+    /// Stops the server and removes its directory.
+    pub fn destroy(&self) {
+        self.stop();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        self.destroy();
+    }
+}

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Shared by the Makefile's targets: where each supported PostgreSQL major lives, and installing pg_dedup into it.
+set -euo pipefail
+CACHE=${PG_DEDUP_CACHE:-/var/cache/pg_dedup}
+
+pg_config_for() {
+  case "$1" in
+    15) echo /usr/lib/postgresql/15/bin/pg_config ;;
+    *) echo "$CACHE/pg$1/bin/pg_config" ;;
+  esac
+}
+
+# Builds pg_dedup for major $1 and installs it into that Postgres (its lib and share directories).
+install_extension() {
+  local major=$1 sudo=()
+  [ "$(id -u)" -eq 0 ] || sudo=(--sudo)
+  cargo pgrx install "${sudo[@]}" --pg-config "$(pg_config_for "$major")" --no-default-features \
+    --features "pg$major" >/dev/null
+}
+
+"$@"

@@ -1,0 +1,95 @@
+//! Shared by every integration test binary: one throwaway cluster per binary (each test takes its own database),
+//! and helpers to assert on `dedup:` errors.
+
+use pg_dedup_harness::postgres::{self, Client};
+pub use pg_dedup_harness::Cluster;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+static SHARED: OnceLock<Cluster> = OnceLock::new();
+
+extern "C" fn destroy_shared() {
+    if let Some(cluster) = SHARED.get() {
+        cluster.destroy();
+    }
+}
+
+/// The cluster shared by the tests of this binary; stopped when the test process exits.
+pub fn cluster() -> &'static Cluster {
+    SHARED.get_or_init(|| {
+        // SAFETY: registering a plain extern "C" function with no captured state.
+        unsafe { libc::atexit(destroy_shared) };
+        Cluster::start(&[])
+    })
+}
+
+/// A fresh database with pg_dedup installed, on the shared cluster.
+pub fn db(name: &str) -> Client {
+    cluster().fresh_db(name)
+}
+
+pub fn connect(db: &str) -> Client {
+    cluster().connect(db)
+}
+
+/// Asserts that `result` failed with SQLSTATE `code` and a `dedup:` message that has a hint.
+pub fn assert_dedup_error<T: std::fmt::Debug>(result: Result<T, postgres::Error>, code: &str) {
+    let err = result.expect_err("the call should have failed");
+    let db = err.as_db_error().unwrap_or_else(|| panic!("not a server error: {err}"));
+    assert_eq!(db.code().code(), code, "SQLSTATE of: {}", db.message());
+    assert!(db.message().starts_with("dedup: "), "message does not name dedup: {}", db.message());
+    assert!(db.hint().is_some_and(|h| !h.is_empty()), "no hint on: {}", db.message());
+}
+
+pub fn sqlstate(err: &postgres::Error) -> String {
+    err.as_db_error().map(|e| e.code().code().to_owned()).unwrap_or_else(|| format!("not a db error: {err}"))
+}
+
+pub fn mark(client: &mut Client, id: &str) -> bool {
+    client.query_one("SELECT dedup.mark($1)", &[&id]).expect("mark").get(0)
+}
+
+pub fn count(client: &mut Client, table: &str) -> i64 {
+    client.query_one(&format!("SELECT count(*) FROM {table}"), &[]).expect("count").get(0)
+}
+
+/// The backend pid of a connection, to watch it from another one.
+pub fn backend_pid(client: &mut Client) -> i32 {
+    client.query_one("SELECT pg_backend_pid()", &[]).expect("pid").get(0)
+}
+
+/// Waits until backend `pid` is blocked on a lock (a heavyweight lock wait, as seen in pg_stat_activity). This is
+/// how a test proves that a concurrent mark() *waits*, without guessing at timings.
+pub fn wait_until_blocked(observer: &mut Client, pid: i32) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let row = observer
+            .query_one("SELECT coalesce(wait_event_type, '') FROM pg_stat_activity WHERE pid = $1", &[&pid])
+            .expect("pg_stat_activity");
+        if row.get::<_, String>(0) == "Lock" {
+            return;
+        }
+        assert!(Instant::now() < deadline, "backend {pid} never blocked on a lock");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Sleeps until the server clock has passed `expires_at` of the given ids in `table`: they are expired.
+pub fn wait_until_expired(client: &mut Client, table: &str, ids: &[&str]) {
+    let ids: Vec<String> = ids.iter().map(|s| s.to_string()).collect();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let live: i64 = client
+            .query_one(
+                &format!("SELECT count(*) FROM {table} WHERE id = ANY($1) AND expires_at > clock_timestamp()"),
+                &[&ids],
+            )
+            .expect("count live")
+            .get(0);
+        if live == 0 {
+            return;
+        }
+        assert!(Instant::now() < deadline, "marks in {table} never expired");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
