@@ -9,6 +9,8 @@ DEMO_PG ?= 15
 export PG_DEDUP_CACHE ?= /var/cache/pg_dedup
 # Compiled dependencies are shared by every checkout (and CI's fresh clones), so only the first build is slow.
 export CARGO_TARGET_DIR ?= $(PG_DEDUP_CACHE)/target
+# rustup installs cargo (and cargo-pgrx) here; CI's environment may not have it on PATH.
+export PATH := $(HOME)/.cargo/bin:$(PATH)
 
 .PHONY: setup demo test install
 setup:

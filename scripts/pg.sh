@@ -14,8 +14,12 @@ pg_config_for() {
 install_extension() {
   local major=$1 sudo=()
   [ "$(id -u)" -eq 0 ] || sudo=(--sudo)
-  cargo pgrx install "${sudo[@]}" --pg-config "$(pg_config_for "$major")" --no-default-features \
-    --features "pg$major" >/dev/null
+  local out
+  if ! out=$(cargo pgrx install "${sudo[@]}" --pg-config "$(pg_config_for "$major")" --no-default-features \
+      --features "pg$major" 2>&1); then
+    printf '%s\n' "$out" >&2
+    return 1
+  fi
 }
 
 "$@"

@@ -1,0 +1,273 @@
+//! `make demo`: at-least-once delivery in, exactly-once effects out.
+//!
+//! Starts a throwaway Postgres with pg_dedup, then replays a stream of payment events through an in-process
+//! broker that behaves like a real one: the producer publishes some events twice (a retry after a lost ack), and
+//! consumers die at random points (before marking, after marking, before commit, after commit but before the
+//! ack), so the broker redelivers whatever was not acknowledged. Each consumer applies an event with
+//! `dedup.mark()` + a balance update in one transaction and acknowledges only after COMMIT. At the end the ledger
+//! must equal the exactly-once total, whatever was delivered.
+//!
+//! Options: --events N (2000) --consumers N (4) --duplicate-rate F (0.2) --crash-rate F (0.05) --seed N
+
+use pg_dedup_harness::postgres::Client;
+use pg_dedup_harness::Cluster;
+use std::collections::{HashMap, VecDeque};
+use std::io::Write;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+const ACCOUNTS: i32 = 20;
+
+struct Options {
+    events: usize,
+    consumers: usize,
+    duplicate_rate: f64,
+    crash_rate: f64,
+    seed: u64,
+}
+
+fn parse_options() -> Options {
+    let mut o = Options { events: 2000, consumers: 4, duplicate_rate: 0.2, crash_rate: 0.05, seed: 42 };
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    for pair in args.chunks(2) {
+        let (flag, value) = match pair {
+            [flag, value] => (flag.as_str(), value.as_str()),
+            _ => usage(&format!("missing value for {}", pair[0])),
+        };
+        match flag {
+            "--events" => o.events = parse(flag, value),
+            "--consumers" => o.consumers = parse(flag, value),
+            "--duplicate-rate" => o.duplicate_rate = parse(flag, value),
+            "--crash-rate" => o.crash_rate = parse(flag, value),
+            "--seed" => o.seed = parse(flag, value),
+            _ => usage(&format!("unknown option {flag}")),
+        }
+    }
+    if o.consumers == 0 || !(0.0..1.0).contains(&o.duplicate_rate) || !(0.0..1.0).contains(&o.crash_rate) {
+        usage("need at least one consumer, and rates in [0, 1)");
+    }
+    o
+}
+
+fn parse<T: std::str::FromStr>(flag: &str, value: &str) -> T {
+    value.parse().unwrap_or_else(|_| usage(&format!("bad value for {flag}: {value}")))
+}
+
+fn usage(problem: &str) -> ! {
+    eprintln!("demo: {problem}");
+    eprintln!("usage: demo [--events N] [--consumers N] [--duplicate-rate F] [--crash-rate F] [--seed N]");
+    std::process::exit(2)
+}
+
+#[derive(Clone)]
+struct Event {
+    id: String,
+    account: i32,
+    amount: i64,
+}
+
+/// Where a consumer dies, if it dies while handling a delivery.
+#[derive(Clone, Copy)]
+enum Crash {
+    BeforeMark,
+    AfterMark,
+    BeforeCommit,
+    AfterCommitBeforeAck,
+}
+
+/// An in-memory at-least-once broker: a delivery leaves the queue when it is handed out and comes back unless the
+/// consumer acknowledges it.
+#[derive(Default)]
+struct Broker {
+    queue: Mutex<VecDeque<Event>>,
+    published: AtomicU64,
+    delivered: AtomicU64,
+    redelivered: AtomicU64,
+    acked: AtomicU64,
+}
+
+impl Broker {
+    fn next(&self) -> Option<Event> {
+        let event = self.queue.lock().unwrap().pop_front();
+        if event.is_some() {
+            self.delivered.fetch_add(1, Ordering::Relaxed);
+        }
+        event
+    }
+
+    fn nack(&self, event: Event) {
+        self.redelivered.fetch_add(1, Ordering::Relaxed);
+        self.queue.lock().unwrap().push_back(event);
+    }
+
+    fn ack(&self) {
+        self.acked.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+#[derive(Default)]
+struct Tally {
+    duplicates: AtomicU64,
+    applied: AtomicU64,
+    crashes: AtomicU64,
+}
+
+/// Handles one delivery. Returns Err(()) when the consumer "died": its connection is gone, the delivery is not
+/// acknowledged, and the broker will hand it out again.
+fn handle(db: &mut Client, event: &Event, crash: Option<Crash>, tally: &Tally) -> Result<(), ()> {
+    if let Some(Crash::BeforeMark) = crash {
+        return Err(());
+    }
+    db.batch_execute("BEGIN").expect("BEGIN");
+    let new: bool = db.query_one("SELECT dedup.mark($1, NULL, 'payments')", &[&event.id]).expect("mark").get(0);
+    if let Some(Crash::AfterMark) = crash {
+        return Err(());
+    }
+    if new {
+        db.execute("UPDATE accounts SET balance = balance + $2 WHERE id = $1", &[&event.account, &event.amount])
+            .expect("update balance");
+    }
+    if let Some(Crash::BeforeCommit) = crash {
+        return Err(());
+    }
+    db.batch_execute("COMMIT").expect("COMMIT");
+    if new {
+        tally.applied.fetch_add(1, Ordering::Relaxed);
+    } else {
+        tally.duplicates.fetch_add(1, Ordering::Relaxed);
+    }
+    if let Some(Crash::AfterCommitBeforeAck) = crash {
+        return Err(());
+    }
+    Ok(())
+}
+
+fn consumer(cluster: &Cluster, broker: &Broker, tally: &Tally, crash_rate: f64, seed: u64) {
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let mut db = cluster.connect("demo");
+    while let Some(event) = broker.next() {
+        let crash = (rng.f64() < crash_rate).then(|| {
+            [Crash::BeforeMark, Crash::AfterMark, Crash::BeforeCommit, Crash::AfterCommitBeforeAck][rng.usize(..4)]
+        });
+        match handle(&mut db, &event, crash, tally) {
+            Ok(()) => broker.ack(),
+            Err(()) => {
+                // The process "dies": dropping the connection mid-transaction makes the server roll it back.
+                tally.crashes.fetch_add(1, Ordering::Relaxed);
+                db = cluster.connect("demo");
+                broker.nack(event);
+            }
+        }
+    }
+}
+
+fn main() {
+    let o = parse_options();
+    println!("pg_dedup demo: {} payment events, {} consumers, {:.0}% producer retries, {:.0}% consumer crashes",
+        o.events, o.consumers, o.duplicate_rate * 100.0, o.crash_rate * 100.0);
+    let started = Instant::now();
+    let cluster = Cluster::start(&[]);
+    let mut admin = cluster.fresh_db("demo");
+    admin
+        .batch_execute(&format!(
+            "CREATE TABLE accounts (id int PRIMARY KEY, balance bigint NOT NULL DEFAULT 0);
+             INSERT INTO accounts (id) SELECT generate_series(1, {ACCOUNTS});
+             SELECT dedup.create_inbox('payments', '1 day');"
+        ))
+        .expect("prepare the demo database");
+    println!("  throwaway PostgreSQL {} started in {:.1}s (pg_dedup installed, inbox 'payments')",
+        cluster.major, started.elapsed().as_secs_f64());
+
+    // The producer: every event once, some of them twice (a retry after a lost publisher confirm).
+    let mut rng = fastrand::Rng::with_seed(o.seed);
+    let events: Vec<Event> = (0..o.events)
+        .map(|i| Event { id: format!("payment-{i:06}"), account: rng.i32(1..=ACCOUNTS), amount: rng.i64(1..=500) })
+        .collect();
+    let mut stream: Vec<Event> = events.clone();
+    for e in &events {
+        if rng.f64() < o.duplicate_rate {
+            stream.insert(rng.usize(..=stream.len()), e.clone());
+        }
+    }
+    let broker = Broker::default();
+    broker.published.store(stream.len() as u64, Ordering::Relaxed);
+    broker.queue.lock().unwrap().extend(stream);
+    let tally = Tally::default();
+    let done = AtomicBool::new(false);
+
+    let replay = Instant::now();
+    std::thread::scope(|s| {
+        let workers: Vec<_> = (0..o.consumers)
+            .map(|c| {
+                let (cluster, broker, tally) = (&cluster, &broker, &tally);
+                s.spawn(move || consumer(cluster, broker, tally, o.crash_rate, o.seed + 1 + c as u64))
+            })
+            .collect();
+        s.spawn(|| {
+            while !done.load(Ordering::Relaxed) {
+                progress(&broker, &tally);
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        });
+        for w in workers {
+            w.join().expect("a consumer thread failed");
+        }
+        done.store(true, Ordering::Relaxed);
+    });
+    progress(&broker, &tally);
+    let seconds = replay.elapsed().as_secs_f64();
+    println!();
+
+    let expected_total: i64 = events.iter().map(|e| e.amount).sum();
+    let mut expected: HashMap<i32, i64> = HashMap::new();
+    for e in &events {
+        *expected.entry(e.account).or_default() += e.amount;
+    }
+    let mut mismatched = 0;
+    for row in admin.query("SELECT id, balance FROM accounts ORDER BY id", &[]).expect("read the ledger") {
+        let (account, balance): (i32, i64) = (row.get(0), row.get(1));
+        if balance != expected.get(&account).copied().unwrap_or(0) {
+            mismatched += 1;
+        }
+    }
+    let ledger_total: i64 = admin.query_one("SELECT sum(balance)::bigint FROM accounts", &[]).unwrap().get(0);
+    let marks: i64 = admin.query_one("SELECT count(*) FROM dedup.inbox_payments", &[]).unwrap().get(0);
+
+    let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    let published = load(&broker.published);
+    println!();
+    println!("  {:<22}{:>10}  ({} events + {} producer retries)", "published", published, o.events, published - o.events as u64);
+    println!("  {:<22}{:>10}", "delivered", load(&broker.delivered));
+    println!("  {:<22}{:>10}  (after {} consumer crashes)", "redelivered", load(&broker.redelivered), load(&tally.crashes));
+    println!("  {:<22}{:>10}", "duplicates dropped", load(&tally.duplicates));
+    println!("  {:<22}{:>10}  ({} marks in dedup.inbox_payments)", "applied", load(&tally.applied), marks);
+    println!("  {:<22}{:>10}  in {seconds:.1}s ({:.0} deliveries/s)", "", "", load(&broker.delivered) as f64 / seconds);
+    println!();
+    let ok = ledger_total == expected_total && mismatched == 0 && load(&tally.applied) == o.events as u64;
+    if ok {
+        println!("  OK: ledger total {ledger_total} equals the exactly-once total; all {ACCOUNTS} balances match.");
+    } else {
+        println!("  FAILED: ledger total {ledger_total}, exactly-once total {expected_total}, \
+                  {mismatched} balances differ, {} events applied of {}", load(&tally.applied), o.events);
+    }
+    drop(admin);
+    cluster.destroy();
+    println!("  throwaway cluster stopped and removed.");
+    if !ok {
+        std::process::exit(1);
+    }
+}
+
+fn progress(broker: &Broker, tally: &Tally) {
+    let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    print!(
+        "\r  delivered {:>6}   duplicates dropped {:>5}   applied {:>6}   crashes {:>4}   queued {:>6}",
+        load(&broker.delivered),
+        load(&tally.duplicates),
+        load(&tally.applied),
+        load(&tally.crashes),
+        broker.queue.lock().unwrap().len()
+    );
+    let _ = std::io::stdout().flush();
+}
