@@ -28,8 +28,9 @@ fn require_writable(function: &str) {
     }
 }
 
+/// When a mark made now expires: `ttl` (already validated) or the inbox's default (validated when created).
 fn window_end(inbox: &inbox::Inbox, ttl: Option<Interval>) -> TimestampWithTimeZone {
-    claim::expiry(claim::statement_now(), input::ttl(ttl.unwrap_or(inbox.default_ttl)))
+    claim::expiry(claim::statement_now(), ttl.unwrap_or(inbox.default_ttl))
 }
 
 /// Records `id` in `inbox` for `ttl` (NULL: the inbox's default) inside the current transaction. True the first

@@ -122,23 +122,14 @@ fn null_ttl_means_the_inbox_default() {
     let mut c = db("window_default_ttl");
     c.batch_execute("SELECT dedup.create_inbox('short', '2 hours'); SELECT dedup.mark('a', NULL, 'short')").unwrap();
     c.batch_execute("SELECT dedup.mark('a')").unwrap();
-    let short: bool = c
-        .query_one(
-            "SELECT expires_at BETWEEN now() + interval '119 minutes' AND now() + interval '121 minutes' \
-             FROM dedup.inbox_short WHERE id = 'a'",
-            &[],
-        )
-        .unwrap()
-        .get(0);
-    let default: bool = c
-        .query_one(
-            "SELECT expires_at BETWEEN now() + interval '71 hours' AND now() + interval '73 hours' \
-             FROM dedup.inbox_default WHERE id = 'a'",
-            &[],
-        )
-        .unwrap()
-        .get(0);
-    assert!(short && default);
+    let expiry_within = |c: &mut pg_dedup_harness::postgres::Client, table: &str, low: &str, high: &str| -> bool {
+        let sql = format!(
+            "SELECT expires_at BETWEEN now() + interval '{low}' AND now() + interval '{high}' FROM {table} WHERE id = 'a'"
+        );
+        c.query_one(&sql, &[]).unwrap().get(0)
+    };
+    assert!(expiry_within(&mut c, "dedup.inbox_short", "119 minutes", "121 minutes"), "the inbox's 2 hours");
+    assert!(expiry_within(&mut c, "dedup.inbox_default", "71 hours", "73 hours"), "the default inbox's 3 days");
 }
 
 #[test]

@@ -54,6 +54,18 @@ fn check(out: Output, what: &str) {
 
 static CLUSTERS: AtomicUsize = AtomicUsize::new(0);
 
+/// An empty directory for one cluster's data and socket, owned by the server's user.
+fn new_cluster_dir() -> PathBuf {
+    let n = CLUSTERS.fetch_add(1, Ordering::SeqCst);
+    let dir = std::env::temp_dir().join(format!("pg_dedup_{}_{n}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("create cluster dir");
+    if is_root() {
+        check(Command::new("chown").args(["postgres:"]).arg(&dir).output().unwrap(), "chown cluster dir");
+    }
+    dir
+}
+
 pub struct Cluster {
     dir: PathBuf,
     bindir: PathBuf,
@@ -65,13 +77,7 @@ pub struct Cluster {
 impl Cluster {
     /// initdb + start with extra `postgresql.conf` lines (e.g. `shared_preload_libraries = 'pg_dedup'`).
     pub fn start(conf: &[&str]) -> Cluster {
-        let n = CLUSTERS.fetch_add(1, Ordering::SeqCst);
-        let dir = std::env::temp_dir().join(format!("pg_dedup_{}_{n}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("create cluster dir");
-        if is_root() {
-            check(Command::new("chown").args(["postgres:"]).arg(&dir).output().unwrap(), "chown cluster dir");
-        }
+        let dir = new_cluster_dir();
         let bindir = PathBuf::from(pg_config_value("--bindir"));
         let major = pg_config_value("--version")
             .split_whitespace()
@@ -103,13 +109,7 @@ impl Cluster {
 
     /// A hot standby of this cluster, streaming from it (pg_basebackup -R).
     pub fn standby(&self) -> Cluster {
-        let n = CLUSTERS.fetch_add(1, Ordering::SeqCst);
-        let dir = std::env::temp_dir().join(format!("pg_dedup_{}_{n}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("create standby dir");
-        if is_root() {
-            check(Command::new("chown").args(["postgres:"]).arg(&dir).output().unwrap(), "chown standby dir");
-        }
+        let dir = new_cluster_dir();
         let standby = Cluster { dir, bindir: self.bindir.clone(), major: self.major, running: AtomicBool::new(false) };
         let data = standby.data_dir();
         check(
