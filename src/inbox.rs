@@ -263,11 +263,7 @@ pub fn create(name: &str, default_ttl: Interval) {
     let table = qualified(name);
     Spi::connect_mut(|client| {
         serialize_registry_changes(client);
-        let exists = client
-            .select("SELECT 1 FROM dedup.inbox_registry WHERE name OPERATOR(pg_catalog.=) $1", None, &[name.into()])
-            .map(|rows| !rows.is_empty())
-            .unwrap_or_else(|e| internal("reading dedup.inbox_registry", e));
-        if exists || relation_oid(name) != pg_sys::InvalidOid {
+        if is_registered(client, name) || relation_oid(name) != pg_sys::InvalidOid {
             raise(
                 PgSqlErrorCode::ERRCODE_DUPLICATE_OBJECT,
                 format!("inbox \"{name}\" already exists"),
@@ -304,29 +300,44 @@ pub fn drop(name: &str) {
     }
     Spi::connect_mut(|client| {
         serialize_registry_changes(client);
-        let inbox = load(name);
-        let owner = client
-            .select(
-                "SELECT pg_catalog.pg_has_role(relowner, 'USAGE') FROM pg_catalog.pg_class WHERE oid OPERATOR(pg_catalog.=) $1",
-                None,
-                &[inbox.relid.into()],
-            )
-            .and_then(|rows| rows.first().get_one::<bool>())
-            .unwrap_or_else(|e| internal("checking the inbox owner", e));
-        if owner != Some(true) {
-            raise(
-                PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
-                format!("only the owner of {} can drop inbox \"{name}\"", inbox.table),
-                "Run dedup.drop_inbox() as the role that created the inbox, or as a superuser.",
-            )
+        if !is_registered(client, name) {
+            unknown_inbox(name)
         }
-        client
-            .update(&format!("DROP TABLE {}", inbox.table), None, &[])
-            .unwrap_or_else(|e| internal("dropping the inbox table", e));
+        // A table someone dropped by hand must not make the inbox impossible to unregister.
+        let relid = relation_oid(name);
+        if relid != pg_sys::InvalidOid {
+            let table = qualified(name);
+            let owner = client
+                .select(
+                    "SELECT pg_catalog.pg_has_role(relowner, 'USAGE') FROM pg_catalog.pg_class \
+                     WHERE oid OPERATOR(pg_catalog.=) $1",
+                    None,
+                    &[relid.into()],
+                )
+                .and_then(|rows| rows.first().get_one::<bool>())
+                .unwrap_or_else(|e| internal("checking the inbox owner", e));
+            if owner != Some(true) {
+                raise(
+                    PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
+                    format!("only the owner of {table} can drop inbox \"{name}\""),
+                    "Run dedup.drop_inbox() as the role that created the inbox, or as a superuser.",
+                )
+            }
+            client
+                .update(&format!("DROP TABLE {table}"), None, &[])
+                .unwrap_or_else(|e| internal("dropping the inbox table", e));
+        }
         client
             .update("DELETE FROM dedup.inbox_registry WHERE name OPERATOR(pg_catalog.=) $1", None, &[name.into()])
             .unwrap_or_else(|e| internal("unregistering the inbox", e));
     });
+}
+
+fn is_registered(client: &SpiClient<'_>, name: &str) -> bool {
+    client
+        .select("SELECT 1 FROM dedup.inbox_registry WHERE name OPERATOR(pg_catalog.=) $1", None, &[name.into()])
+        .map(|rows| !rows.is_empty())
+        .unwrap_or_else(|e| internal("reading dedup.inbox_registry", e))
 }
 
 /// Creating and dropping inboxes take turns (readers are not blocked), so two sessions creating the same inbox

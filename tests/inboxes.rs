@@ -102,3 +102,12 @@ fn pg_dump_and_restore_keep_every_inbox_and_mark() {
     }
     assert!(r.query_one("SELECT dedup.mark('o4', NULL, 'orders')", &[]).unwrap().get::<_, bool>(0));
 }
+
+#[test]
+fn an_inbox_whose_table_was_dropped_by_hand_can_still_be_dropped() {
+    let mut c = db("inbox_table_gone");
+    c.batch_execute("SELECT dedup.create_inbox('hand'); DROP TABLE dedup.inbox_hand").unwrap();
+    assert_dedup_error(c.query_one("SELECT dedup.mark('a', NULL, 'hand')", &[]), "42P01");
+    c.batch_execute("SELECT dedup.drop_inbox('hand'); SELECT dedup.create_inbox('hand')").unwrap();
+    assert!(c.query_one("SELECT dedup.mark('a', NULL, 'hand')", &[]).unwrap().get::<_, bool>(0));
+}
