@@ -4,10 +4,53 @@
 //! access to its table.
 
 use crate::errors::raise;
-use crate::inbox::{self, Access};
+use crate::filter::{self, Counter, Trusted};
+use crate::inbox::{self, Access, Inbox};
 use crate::{claim, input, purge};
 use pgrx::prelude::*;
+use std::cell::Cell;
 use std::collections::HashSet;
+
+thread_local! {
+    static TOLD_UNFILTERED: Cell<bool> = const { Cell::new(false) };
+}
+
+/// The filter that may answer for `inbox`, if any. Without preloading, says once per session why there is none.
+fn trusted_filter(inbox: &Inbox) -> Option<Trusted> {
+    if !filter::is_preloaded() && !TOLD_UNFILTERED.with(|told| told.replace(true)) {
+        pgrx::pg_sys::panic::ErrorReport::new(
+            PgSqlErrorCode::ERRCODE_SUCCESSFUL_COMPLETION,
+            "dedup: the shared Bloom filter is off because pg_dedup is not in shared_preload_libraries; \
+             every call uses the inbox index (correct, a little slower)",
+            "pg_dedup",
+        )
+        .set_hint("Add pg_dedup to shared_preload_libraries and restart the server to enable it.")
+        .report(PgLogLevel::NOTICE);
+    }
+    Trusted::for_inbox(filter::namespace(inbox.relid))
+}
+
+/// The ids the filter cannot rule out ("maybe"), all of them treated alike when there is no filter to ask.
+fn suspects<'a>(inbox: &Inbox, ids: &'a [String]) -> HashSet<&'a str> {
+    let Some(filter) = trusted_filter(inbox) else { return HashSet::new() };
+    let suspects: HashSet<&str> = ids.iter().map(String::as_str).filter(|id| filter.may_contain(id)).collect();
+    let ns = filter::namespace(inbox.relid);
+    filter::count(ns, Counter::Lookups, ids.len() as u64);
+    filter::count(ns, Counter::CertainlyNew, (ids.len() - suspects.len()) as u64);
+    suspects
+}
+
+/// Claims `ids` and keeps the inbox's counters.
+fn claim_and_count(inbox: &Inbox, ids: &[String], ttl: Option<Interval>) -> HashSet<String> {
+    let suspects = suspects(inbox, ids);
+    let out = claim::claim(inbox, ids, &suspects, window_end(inbox, ttl));
+    let ns = filter::namespace(inbox.relid);
+    filter::count(ns, Counter::Marks, out.fresh.len() as u64);
+    filter::count(ns, Counter::Duplicates, (ids.len() - out.fresh.len()) as u64);
+    filter::count(ns, Counter::Renewals, out.renewals);
+    filter::count(ns, Counter::FalsePositives, out.false_positives);
+    out.fresh
+}
 
 /// Writes need a read-write transaction on a primary; say so plainly instead of Postgres' generic error.
 fn require_writable(function: &str) {
@@ -29,7 +72,7 @@ fn require_writable(function: &str) {
 }
 
 /// When a mark made now expires: `ttl` (already validated) or the inbox's default (validated when created).
-fn window_end(inbox: &inbox::Inbox, ttl: Option<Interval>) -> TimestampWithTimeZone {
+fn window_end(inbox: &Inbox, ttl: Option<Interval>) -> TimestampWithTimeZone {
     claim::expiry(claim::statement_now(), ttl.unwrap_or(inbox.default_ttl))
 }
 
@@ -45,8 +88,7 @@ fn mark(
     let id = input::id(id);
     let ttl = ttl.map(input::ttl);
     let inbox = inbox::open(input::inbox_name(inbox), Access::Mark);
-    let ids = [id.to_owned()];
-    !claim::claim(&inbox, &ids, window_end(&inbox, ttl)).is_empty()
+    !claim_and_count(&inbox, &[id.to_owned()], ttl).is_empty()
 }
 
 /// Marks every id in `ids`; returns the ids that were new, each once, in order of first occurrence (a repeat
@@ -61,7 +103,7 @@ fn mark_many(
     let ids = input::ids(ids);
     let ttl = ttl.map(input::ttl);
     let inbox = inbox::open(input::inbox_name(inbox), Access::Mark);
-    let fresh = if ids.is_empty() { HashSet::new() } else { claim::claim(&inbox, &ids, window_end(&inbox, ttl)) };
+    let fresh = if ids.is_empty() { HashSet::new() } else { claim_and_count(&inbox, &ids, ttl) };
     let mut reported = HashSet::new();
     let new_in_order: Vec<String> =
         ids.into_iter().filter(|id| fresh.contains(id) && reported.insert(id.clone())).collect();
@@ -73,7 +115,18 @@ fn mark_many(
 fn seen(id: Option<&str>, inbox: default!(Option<&str>, "'default'")) -> bool {
     let id = input::id(id);
     let inbox = inbox::open(input::inbox_name(inbox), Access::Read);
-    claim::seen(&inbox, id)
+    let ns = filter::namespace(inbox.relid);
+    let Some(filter) = trusted_filter(&inbox) else { return claim::seen(&inbox, id) };
+    filter::count(ns, Counter::Lookups, 1);
+    if !filter.may_contain(id) {
+        filter::count(ns, Counter::CertainlyNew, 1);
+        return false;
+    }
+    let seen = claim::seen(&inbox, id);
+    if !seen {
+        filter::count(ns, Counter::FalsePositives, 1);
+    }
+    seen
 }
 
 /// Deletes the mark for `id` (operator replay: the next delivery is processed again). True if a live mark was

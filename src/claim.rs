@@ -8,6 +8,9 @@
 //!    place, atomically (`UPDATE ... WHERE expires_at <= now`), so the id is new again.
 //! 3. anything left vanished between statements (a concurrent purge or forget) or lost a renewal race; go round.
 //!
+//! When the shared filter says "maybe" for an id, step 2 comes first (a likely duplicate is answered by one
+//! lookup, with no insert attempt); when it says "certainly new", the insert goes first and is usually all it takes.
+//!
 //! Ids are processed in sorted order, so two `mark_many()` calls with overlapping ids lock rows in the same order
 //! and cannot deadlock each other.
 
@@ -38,35 +41,69 @@ pub fn expiry(now: TimestampWithTimeZone, ttl: Interval) -> TimestampWithTimeZon
     .expect("timestamptz + interval is never NULL")
 }
 
-/// Claims `ids` for the window ending at `expires_at`; returns the ids that were new (inserted or renewed).
-pub fn claim(inbox: &Inbox, ids: &[String], expires_at: TimestampWithTimeZone) -> HashSet<String> {
+/// What a claim found.
+#[derive(Default)]
+pub struct Outcome {
+    /// Ids that were new: inserted, or renewed after expiring.
+    pub fresh: HashSet<String>,
+    pub renewals: u64,
+    /// Ids the filter could not rule out that turned out to be new (it said "maybe", the index said no).
+    pub false_positives: u64,
+}
+
+/// Claims `ids` for the window ending at `expires_at`. Ids in `suspects` (the filter could not say "certainly
+/// new") are probed before any insert is tried, so a duplicate costs one index lookup; the others go straight to
+/// the insert, whose conflict check is the truth either way.
+pub fn claim(inbox: &Inbox, ids: &[String], suspects: &HashSet<&str>, expires_at: TimestampWithTimeZone) -> Outcome {
     let now = statement_now();
     let mut pending: Vec<String> = ids.to_vec();
     pending.sort_unstable();
     pending.dedup();
-    let mut fresh = HashSet::new();
+    let mut out = Outcome::default();
+    let probe_first: Vec<String> = pending.iter().filter(|id| suspects.contains(id.as_str())).cloned().collect();
+    if !probe_first.is_empty() {
+        let before = pending.len();
+        settle(inbox, &probe_first, now, expires_at, &mut pending, &mut out);
+        let duplicates = before - pending.len() - out.renewals as usize;
+        out.false_positives = (probe_first.len() - duplicates) as u64;
+    }
     for _ in 0..MAX_ROUNDS {
-        fresh.extend(insert(inbox, &pending, expires_at));
-        pending.retain(|id| !fresh.contains(id));
         if pending.is_empty() {
-            return fresh;
+            return out;
         }
-        let (live, expired) = probe(inbox, &pending, now);
-        pending.retain(|id| !live.contains(id));
-        if !expired.is_empty() {
-            let renewed = returned_ids(inbox, Stmt::Renew, &[expired.into(), expires_at.into(), now.into()]);
-            pending.retain(|id| !renewed.contains(id));
-            fresh.extend(renewed);
-        }
+        out.fresh.extend(insert(inbox, &pending, expires_at));
+        pending.retain(|id| !out.fresh.contains(id));
         if pending.is_empty() {
-            return fresh;
+            return out;
         }
+        let conflicted = pending.clone();
+        settle(inbox, &conflicted, now, expires_at, &mut pending, &mut out);
     }
     raise(
         PgSqlErrorCode::ERRCODE_T_R_SERIALIZATION_FAILURE,
         format!("could not claim {} id(s) in inbox \"{}\" after {MAX_ROUNDS} rounds", pending.len(), inbox.name),
         "Another session kept deleting and re-creating the same ids; retry the transaction.",
     )
+}
+
+/// Looks up `ids` (rows visible now): live ones are duplicates and leave `pending`; expired ones are renewed in
+/// place and become fresh. What is left in `pending` had no row (or lost a renewal race) and goes to the insert.
+fn settle(
+    inbox: &Inbox,
+    ids: &[String],
+    now: TimestampWithTimeZone,
+    expires_at: TimestampWithTimeZone,
+    pending: &mut Vec<String>,
+    out: &mut Outcome,
+) {
+    let (live, expired) = probe(inbox, ids, now);
+    pending.retain(|id| !live.contains(id));
+    if !expired.is_empty() {
+        let renewed = returned_ids(inbox, Stmt::Renew, &[expired.into(), expires_at.into(), now.into()]);
+        pending.retain(|id| !renewed.contains(id));
+        out.renewals += renewed.len() as u64;
+        out.fresh.extend(renewed);
+    }
 }
 
 fn insert(inbox: &Inbox, ids: &[String], expires_at: TimestampWithTimeZone) -> HashSet<String> {

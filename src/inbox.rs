@@ -7,6 +7,7 @@
 //! are reloaded at the next call, never freed from inside the invalidation callback (a plan may be running).
 
 use crate::errors::{internal, raise};
+use crate::filter;
 use pgrx::prelude::*;
 use pgrx::spi::{OwnedPreparedStatement, SpiClient, SpiTupleTable};
 use pgrx::PgOid;
@@ -282,12 +283,25 @@ pub fn create(name: &str, default_ttl: Interval) {
             .unwrap_or_else(|e| internal("creating the inbox table", e));
         client
             .update(
+                &format!(
+                    "CREATE TRIGGER dedup_filter BEFORE INSERT OR UPDATE ON {table} \
+                     FOR EACH ROW EXECUTE FUNCTION dedup.inbox_filter_trigger(); \
+                     ALTER TABLE {table} ENABLE ALWAYS TRIGGER dedup_filter"
+                ),
+                None,
+                &[],
+            )
+            .unwrap_or_else(|e| internal("creating the inbox trigger", e));
+        client
+            .update(
                 "INSERT INTO dedup.inbox_registry (name, default_ttl) VALUES ($1, $2)",
                 None,
                 &[name.into(), default_ttl.into()],
             )
             .unwrap_or_else(|e| internal("registering the inbox", e));
     });
+    // Empty, and every future row passes the trigger: the filter can answer for it at once.
+    filter::trust_new_inbox(filter::namespace(relation_oid(name)));
 }
 
 pub fn drop(name: &str) {

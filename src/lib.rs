@@ -4,7 +4,12 @@
 //! - `api`     — the SQL functions in schema `dedup` (mark, mark_many, seen, forget, inboxes, purge)
 //! - `claim`   — the claim algorithm: insert, wait for concurrent claims, renew expired marks
 //! - `inbox`   — inbox tables, their registry and the per-backend cache of prepared statements
+//! - `filter`  — the shared-memory Bloom filter in front of the indexes (preloaded only)
+//! - `rebuild` — loading inbox tables into the filter
+//! - `worker`  — the background worker that keeps the filter loaded (preloaded only)
+//! - `stats`   — `dedup.stats`
 //! - `purge`   — batched deletion of expired marks
+//! - `guc`     — every setting
 //! - `input`   — validation of every argument
 //! - `errors`  — `dedup:` errors with SQLSTATE and hint
 //! - `sql/`    — the hand-written SQL objects (row type, registry, default inbox, views, privileges)
@@ -12,11 +17,29 @@
 mod api;
 mod claim;
 mod errors;
+mod filter;
+mod guc;
 mod inbox;
 mod input;
 mod purge;
+mod rebuild;
+mod stats;
+mod worker;
 
 ::pgrx::pg_module_magic!();
 
 pgrx::extension_sql_file!("../sql/bootstrap.sql", name = "bootstrap", bootstrap);
 pgrx::extension_sql_file!("../sql/finalize.sql", name = "finalize", finalize);
+
+#[pg_guard]
+pub extern "C-unwind" fn _PG_init() {
+    guc::init();
+    // Shared memory, postmaster-level settings and the worker exist only when loaded at server start.
+    if unsafe { pgrx::pg_sys::process_shared_preload_libraries_in_progress } {
+        guc::init_preloaded();
+        filter::init_preloaded();
+        worker::init_preloaded();
+    }
+}
+
+use pgrx::pg_guard;

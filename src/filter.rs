@@ -1,0 +1,374 @@
+//! The shared-memory Bloom filter in front of the inbox indexes. It may only ever say "certainly new" or "maybe";
+//! the UNIQUE index stays the truth.
+//!
+//! Design (see README, "The Bloom filter"):
+//! - Two generations of split-block filter, each sized for `dedup.bloom_capacity` live marks at
+//!   `dedup.bloom_false_positive_rate`. Lookups read the *active* generation only.
+//! - Every key that may reach an inbox table goes into **both** generations *before* its row is written: a row
+//!   trigger on every inbox table (BEFORE INSERT OR UPDATE, `ENABLE ALWAYS`, so it also fires for COPY, restores and
+//!   logical replication) adds `NEW.id`. Rollbacks, `forget()`, TRUNCATE and expiry only leave extra bits: false
+//!   positives, never false negatives.
+//! - An inbox is *trusted* in a generation only once its rows were loaded into it (a rebuild scanned the table, or
+//!   the inbox was created empty in this server's lifetime). After a restart or crash the memory is new and nothing
+//!   is trusted: every call goes to the index until the background worker (or `dedup.bloom_rebuild()`) has loaded
+//!   the inbox. A hot standby never trusts the filter (its rows arrive by WAL replay, past the trigger).
+//! - Expiry: marks expire but bits cannot be removed. When the active generation's measured false-positive rate
+//!   drifts above target, a rotation clears the other generation, waits for every transaction that was running
+//!   (their keys may have gone into the cleared memory), reloads the live marks of every inbox, and makes it
+//!   active. Inboxes the rotation did not load (other databases) fall back to the index until loaded.
+
+use crate::guc;
+use pg_dedup_bloom::{Filter, WORDS_PER_BLOCK};
+use pgrx::prelude::*;
+use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, Ordering};
+
+/// Inboxes (across all databases) whose state and counters the shared memory can hold.
+const MAX_INBOXES: usize = 4096;
+const MAGIC: u64 = 0x7067_5f64_6564_7570; // "pg_dedup"
+
+/// Per-inbox counters shown in `dedup.stats`.
+#[derive(Clone, Copy)]
+pub enum Counter {
+    Marks,
+    Duplicates,
+    Renewals,
+    Lookups,
+    CertainlyNew,
+    FalsePositives,
+}
+const COUNTERS: usize = 6;
+
+#[repr(C)]
+struct Entry {
+    /// `namespace()` of the inbox (database and table), 0 when the slot is free.
+    key: AtomicU64,
+    /// For each generation, the generation epoch in which this inbox's rows were loaded into it.
+    loaded: [AtomicU64; 2],
+    counters: [AtomicU64; COUNTERS],
+}
+
+#[repr(C)]
+struct Header {
+    magic: u64,
+    /// Words per generation.
+    words: u64,
+    /// The generation lookups read (0 or 1).
+    active: AtomicU32,
+    /// Changes whenever a generation is cleared, so stale `loaded` marks stop counting.
+    epoch: [AtomicU64; 2],
+    next_epoch: AtomicU64,
+    /// pid of the process rebuilding, 0 when none; rebuilds take turns.
+    rebuilder: AtomicU32,
+    rebuilds: AtomicU64,
+    last_rebuild: AtomicI64,
+    entries: [Entry; MAX_INBOXES],
+}
+
+static mut SHARED: *const Header = std::ptr::null();
+static mut SIZE: usize = 0;
+
+/// Bytes of shared memory for the configured capacity and rate.
+fn shared_size() -> usize {
+    let blocks = pg_dedup_bloom::blocks_for(guc::BLOOM_CAPACITY.get() as u64, guc::BLOOM_FPR.get());
+    std::mem::size_of::<Header>() + 2 * blocks as usize * WORDS_PER_BLOCK * 4
+}
+
+/// Called from `_PG_init` while preloading: asks for the memory and hooks its initialisation.
+pub fn init_preloaded() {
+    unsafe {
+        SIZE = shared_size();
+        #[cfg(any(feature = "pg13", feature = "pg14"))]
+        pg_sys::RequestAddinShmemSpace(SIZE);
+        #[cfg(not(any(feature = "pg13", feature = "pg14")))]
+        {
+            PREV_REQUEST = pg_sys::shmem_request_hook;
+            pg_sys::shmem_request_hook = Some(request_shmem);
+        }
+        PREV_STARTUP = pg_sys::shmem_startup_hook;
+        pg_sys::shmem_startup_hook = Some(startup_shmem);
+    }
+}
+
+#[cfg(not(any(feature = "pg13", feature = "pg14")))]
+static mut PREV_REQUEST: pg_sys::shmem_request_hook_type = None;
+static mut PREV_STARTUP: pg_sys::shmem_startup_hook_type = None;
+
+#[cfg(not(any(feature = "pg13", feature = "pg14")))]
+#[pg_guard]
+unsafe extern "C-unwind" fn request_shmem() {
+    unsafe {
+        if let Some(prev) = PREV_REQUEST {
+            prev();
+        }
+        pg_sys::RequestAddinShmemSpace(SIZE);
+    }
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn startup_shmem() {
+    unsafe {
+        if let Some(prev) = PREV_STARTUP {
+            prev();
+        }
+        // AddinShmemInitLock is slot 21 of the main LWLock array (a C macro bindgen cannot see).
+        let init_lock = &raw mut (*pg_sys::MainLWLockArray.add(21)).lock;
+        pg_sys::LWLockAcquire(init_lock, pg_sys::LWLockMode::LW_EXCLUSIVE);
+        let mut found = false;
+        let memory = pg_sys::ShmemInitStruct(c"pg_dedup".as_ptr(), SIZE, &mut found);
+        if !found {
+            // New memory (postmaster start, or re-initialisation after a crash): all zero means no generation is
+            // trusted for any inbox.
+            std::ptr::write_bytes(memory as *mut u8, 0, SIZE);
+            let header = memory as *mut Header;
+            (*header).magic = MAGIC;
+            (*header).words = ((SIZE - std::mem::size_of::<Header>()) / 8) as u64;
+            (*header).next_epoch = AtomicU64::new(3);
+            (*header).epoch = [AtomicU64::new(1), AtomicU64::new(2)];
+        }
+        SHARED = memory as *const Header;
+        pg_sys::LWLockRelease(init_lock);
+    }
+}
+
+fn header() -> Option<&'static Header> {
+    // SAFETY: set once in the postmaster's startup hook, before any backend forks; never freed.
+    unsafe { SHARED.as_ref() }.filter(|h| h.magic == MAGIC)
+}
+
+fn generation(h: &'static Header, gen: usize) -> Filter<'static> {
+    let words = h.words as usize;
+    // SAFETY: the words follow the header inside the region sized by `shared_size`.
+    let base = unsafe { (h as *const Header).add(1) as *const AtomicU32 };
+    Filter::new(unsafe { std::slice::from_raw_parts(base.add(gen * words), words) })
+}
+
+/// The key namespace of an inbox table of the current database.
+pub fn namespace(relid: pg_sys::Oid) -> u64 {
+    let db = unsafe { pg_sys::MyDatabaseId };
+    (u64::from(db.to_u32()) << 32) | u64::from(relid.to_u32())
+}
+
+fn entry(h: &'static Header, ns: u64, create: bool) -> Option<&'static Entry> {
+    let start = (pg_dedup_bloom::hash_key(0, &ns.to_le_bytes()) as usize) % MAX_INBOXES;
+    for i in 0..MAX_INBOXES {
+        let e = &h.entries[(start + i) % MAX_INBOXES];
+        match e.key.load(Ordering::Acquire) {
+            k if k == ns => return Some(e),
+            0 if create => match e.key.compare_exchange(0, ns, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return Some(e),
+                Err(k) if k == ns => return Some(e),
+                Err(_) => continue,
+            },
+            0 => return None,
+            _ => continue,
+        }
+    }
+    None
+}
+
+pub fn is_preloaded() -> bool {
+    header().is_some()
+}
+
+/// Adds a key to both generations. Called for every row written to an inbox table, before it is written.
+pub fn add(ns: u64, id: &str) {
+    if let Some(h) = header() {
+        let hash = pg_dedup_bloom::hash_key(ns, id.as_bytes());
+        generation(h, 0).insert(hash);
+        generation(h, 1).insert(hash);
+    }
+}
+
+pub fn count(ns: u64, counter: Counter, n: u64) {
+    if n > 0 {
+        if let Some(e) = header().and_then(|h| entry(h, ns, true)) {
+            e.counters[counter as usize].fetch_add(n, Ordering::Relaxed);
+        }
+    }
+}
+
+/// A filter that can answer for one inbox right now, or None (not preloaded, switched off, standby, not loaded).
+pub struct Trusted {
+    filter: Filter<'static>,
+    ns: u64,
+}
+
+impl Trusted {
+    pub fn for_inbox(ns: u64) -> Option<Trusted> {
+        let h = header()?;
+        if !guc::BLOOM.get() || unsafe { pg_sys::RecoveryInProgress() } {
+            return None;
+        }
+        let gen = h.active.load(Ordering::Acquire) as usize;
+        let e = entry(h, ns, false)?;
+        (e.loaded[gen].load(Ordering::Acquire) == h.epoch[gen].load(Ordering::Acquire))
+            .then(|| Trusted { filter: generation(h, gen), ns })
+    }
+
+    /// False: certainly never marked. True: maybe.
+    pub fn may_contain(&self, id: &str) -> bool {
+        self.filter.may_contain(pg_dedup_bloom::hash_key(self.ns, id.as_bytes()))
+    }
+}
+
+/// A brand-new, empty inbox table is complete in the active generation: every row it will ever get passes the
+/// trigger first.
+pub fn trust_new_inbox(ns: u64) {
+    if let Some(h) = header() {
+        if let Some(e) = entry(h, ns, true) {
+            let gen = h.active.load(Ordering::Acquire) as usize;
+            e.loaded[gen].store(h.epoch[gen].load(Ordering::Acquire), Ordering::Release);
+        }
+    }
+}
+
+/// Inboxes of the current database that the active generation does not cover yet.
+pub fn untrusted(inboxes: &[pg_sys::Oid]) -> Vec<pg_sys::Oid> {
+    let Some(h) = header() else { return Vec::new() };
+    let gen = h.active.load(Ordering::Acquire) as usize;
+    let epoch = h.epoch[gen].load(Ordering::Acquire);
+    inboxes
+        .iter()
+        .copied()
+        .filter(|relid| entry(h, namespace(*relid), false).is_none_or(|e| e.loaded[gen].load(Ordering::Acquire) != epoch))
+        .collect()
+}
+
+/// Exclusive right to rebuild, released on drop (also when an ERROR unwinds through the rebuild).
+pub struct RebuildGuard(&'static Header);
+
+impl Drop for RebuildGuard {
+    fn drop(&mut self) {
+        self.0.rebuilder.store(0, Ordering::Release);
+    }
+}
+
+pub fn try_begin_rebuild() -> Option<RebuildGuard> {
+    let h = header()?;
+    let me = unsafe { pg_sys::MyProcPid } as u32;
+    h.rebuilder.compare_exchange(0, me, Ordering::AcqRel, Ordering::Acquire).ok().map(|_| RebuildGuard(h))
+}
+
+impl RebuildGuard {
+    /// The generation a rebuild loads into: the active one (catching up inboxes not loaded yet), or, when
+    /// `rotate`, the other one, cleared first.
+    pub fn target(&self, rotate: bool) -> usize {
+        let h = self.0;
+        let active = h.active.load(Ordering::Acquire) as usize;
+        if !rotate {
+            return active;
+        }
+        let target = 1 - active;
+        h.epoch[target].store(h.next_epoch.fetch_add(1, Ordering::AcqRel), Ordering::Release);
+        generation(h, target).clear();
+        // Keys added to the cleared memory just before or while it was cleared are lost; they belong to
+        // transactions running now. Wait for all of them, so the reload's snapshot sees their rows.
+        wait_for_running_transactions();
+        target
+    }
+
+    pub fn load(&self, target: usize, ns: u64, id: &str) {
+        generation(self.0, target).insert(pg_dedup_bloom::hash_key(ns, id.as_bytes()));
+    }
+
+    pub fn loaded(&self, target: usize, ns: u64) {
+        if let Some(e) = entry(self.0, ns, true) {
+            e.loaded[target].store(self.0.epoch[target].load(Ordering::Acquire), Ordering::Release);
+        }
+    }
+
+    pub fn finish(self, target: usize) {
+        let h = self.0;
+        h.active.store(target as u32, Ordering::Release);
+        h.rebuilds.fetch_add(1, Ordering::Relaxed);
+        h.last_rebuild.store(unsafe { pg_sys::GetCurrentTimestamp() }, Ordering::Relaxed);
+    }
+}
+
+fn wait_for_running_transactions() {
+    unsafe {
+        let mut n = 0;
+        let vxids = pg_sys::GetCurrentVirtualXIDs(pg_sys::InvalidTransactionId, false, true, 0, &mut n);
+        for i in 0..n as usize {
+            pg_sys::VirtualXactLock(*vxids.add(i), true);
+        }
+    }
+}
+
+/// Filter-wide figures for `dedup.stats`.
+pub struct Summary {
+    pub state: &'static str,
+    pub memory_bytes: i64,
+    pub capacity: i64,
+    pub target_fpr: f64,
+    pub fill_ratio: Option<f64>,
+    pub estimated_fpr: Option<f64>,
+    pub rebuilds: i64,
+}
+
+/// The active generation's measured false-positive rate (from a sample of blocks).
+pub fn active_fpr() -> Option<f64> {
+    let h = header()?;
+    Some(generation(h, h.active.load(Ordering::Acquire) as usize).fill_and_fpr(4096).1)
+}
+
+pub fn summary() -> Summary {
+    let target_fpr = guc::BLOOM_FPR.get();
+    let Some(h) = header() else {
+        return Summary {
+            state: "off: pg_dedup is not in shared_preload_libraries",
+            memory_bytes: 0,
+            capacity: 0,
+            target_fpr,
+            fill_ratio: None,
+            estimated_fpr: None,
+            rebuilds: 0,
+        };
+    };
+    let (fill, fpr) = generation(h, h.active.load(Ordering::Acquire) as usize).fill_and_fpr(16_384);
+    let state = if h.rebuilder.load(Ordering::Acquire) != 0 {
+        "rebuilding"
+    } else if !guc::BLOOM.get() {
+        "off: dedup.bloom = off"
+    } else if unsafe { pg_sys::RecoveryInProgress() } {
+        "off: hot standby"
+    } else {
+        "on"
+    };
+    Summary {
+        state,
+        memory_bytes: unsafe { SIZE } as i64,
+        capacity: guc::BLOOM_CAPACITY.get() as i64,
+        target_fpr,
+        fill_ratio: Some(fill),
+        estimated_fpr: Some(fpr),
+        rebuilds: h.rebuilds.load(Ordering::Relaxed) as i64,
+    }
+}
+
+/// Counters of one inbox and whether the filter answers for it, or None without shared memory.
+pub fn inbox_figures(ns: u64) -> Option<([i64; COUNTERS], bool)> {
+    let h = header()?;
+    let counters = entry(h, ns, false)
+        .map(|e| e.counters.each_ref().map(|c| c.load(Ordering::Relaxed) as i64))
+        .unwrap_or([0; COUNTERS]);
+    Some((counters, Trusted::for_inbox(ns).is_some()))
+}
+
+/// Row trigger on every inbox table (BEFORE INSERT OR UPDATE, ENABLE ALWAYS): puts `NEW.id` into the filter before
+/// the row is written, whoever writes it (mark(), INSERT, COPY, a restore, logical replication).
+#[pg_trigger]
+fn inbox_filter_trigger<'a>(
+    trigger: &'a pgrx::PgTrigger<'a>,
+) -> Result<Option<PgHeapTuple<'a, AllocatedByPostgres>>, pgrx::heap_tuple::PgHeapTupleError> {
+    let new = trigger.new();
+    if is_preloaded() {
+        if let Some(tuple) = &new {
+            let id_column = std::num::NonZeroUsize::new(1).expect("1 is not zero");
+            if let (Ok(Some(id)), Ok(relid)) = (tuple.get_by_index::<&str>(id_column), trigger.relid()) {
+                add(namespace(relid), id);
+            }
+        }
+    }
+    Ok(new)
+}

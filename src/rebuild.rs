@@ -1,0 +1,96 @@
+//! Loading inbox tables into the shared filter: after a restart (nothing is trusted until loaded), for inboxes
+//! created by a restore, and when a rotation makes a fresh generation to shed expired marks.
+
+use crate::errors::{internal, raise};
+use crate::filter::{self, RebuildGuard};
+use crate::inbox::{self, Access};
+use pgrx::prelude::*;
+
+/// Rows fetched per round trip of the scan cursor: bounded memory whatever the inbox size.
+const FETCH: i64 = 10_000;
+
+/// What a rebuild did.
+pub struct Rebuilt {
+    pub inboxes: usize,
+    pub keys: i64,
+}
+
+/// Loads this database's inboxes into the filter: all of them into a fresh generation when `rotate`, otherwise only
+/// those the active generation does not cover yet. None when another process is rebuilding right now.
+pub fn run(rotate: bool) -> Option<Rebuilt> {
+    let guard = filter::try_begin_rebuild()?;
+    let target = guard.target(rotate);
+    let inboxes: Vec<(String, pg_sys::Oid)> = inbox::all_names()
+        .into_iter()
+        .map(|name| {
+            let relid = inbox::open(&name, Access::Read).relid;
+            (name, relid)
+        })
+        .collect();
+    let wanted: Vec<pg_sys::Oid> = if rotate {
+        inboxes.iter().map(|(_, relid)| *relid).collect()
+    } else {
+        filter::untrusted(&inboxes.iter().map(|(_, relid)| *relid).collect::<Vec<_>>())
+    };
+    let mut done = Rebuilt { inboxes: 0, keys: 0 };
+    for (name, relid) in inboxes.iter().filter(|(_, relid)| wanted.contains(relid)) {
+        done.keys += load_inbox(&guard, target, name, *relid);
+        done.inboxes += 1;
+    }
+    guard.finish(target);
+    Some(done)
+}
+
+fn load_inbox(guard: &RebuildGuard, target: usize, name: &str, relid: pg_sys::Oid) -> i64 {
+    let inbox = inbox::open(name, Access::Read);
+    let ns = filter::namespace(relid);
+    let query = format!(
+        "SELECT id FROM {} WHERE expires_at OPERATOR(pg_catalog.>) pg_catalog.clock_timestamp()",
+        inbox.table
+    );
+    let keys = Spi::connect(|client| {
+        let mut cursor = client.try_open_cursor(query.as_str(), &[]).unwrap_or_else(|e| internal("scanning an inbox", e));
+        let mut keys = 0;
+        loop {
+            let rows = cursor.fetch(FETCH).unwrap_or_else(|e| internal("scanning an inbox", e));
+            if rows.is_empty() {
+                return keys;
+            }
+            for row in rows {
+                if let Ok(Some(id)) = row.get::<&str>(1) {
+                    guard.load(target, ns, id);
+                    keys += 1;
+                }
+            }
+        }
+    });
+    guard.loaded(target, ns);
+    keys
+}
+
+/// `dedup.bloom_rebuild()`: rotate now (fresh generation, reloaded from this database's inboxes).
+#[pg_extern(volatile, parallel_unsafe)]
+fn bloom_rebuild() -> i64 {
+    if !filter::is_preloaded() {
+        raise(
+            PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
+            "the Bloom filter is off: pg_dedup is not in shared_preload_libraries",
+            "Add pg_dedup to shared_preload_libraries and restart; until then every call uses the index.",
+        )
+    }
+    if unsafe { pg_sys::RecoveryInProgress() } {
+        raise(
+            PgSqlErrorCode::ERRCODE_READ_ONLY_SQL_TRANSACTION,
+            "the Bloom filter cannot be rebuilt on a hot standby",
+            "A standby always uses the index; the filter is rebuilt after promotion.",
+        )
+    }
+    match run(true) {
+        Some(done) => done.keys,
+        None => raise(
+            PgSqlErrorCode::ERRCODE_OBJECT_IN_USE,
+            "another process is rebuilding the Bloom filter",
+            "Wait for it to finish (dedup.stats shows filter_state 'rebuilding'), then retry.",
+        ),
+    }
+}
