@@ -1,6 +1,7 @@
 # pg_dedup — the two commands of the quick start, and their parts.
 #   make demo    the main job: a live at-least-once replay on a throwaway local Postgres
 #   make test    the whole suite on every supported major (PG_VERSIONS=15 make test to narrow)
+#   make bench   benchmarks against baselines measured in the same run (BENCH_QUICK=1 for a short run)
 # Both run scripts/setup.sh first: it installs what is missing (apt packages, cargo-pgrx, PostgreSQL 13 and 18
 # built from source) and does nothing when everything is in place.
 
@@ -12,7 +13,7 @@ export CARGO_TARGET_DIR ?= $(PG_DEDUP_CACHE)/target
 # rustup installs cargo (and cargo-pgrx) here; CI's environment may not have it on PATH.
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 
-.PHONY: setup demo test install
+.PHONY: setup demo test install bench
 setup:
 	@scripts/setup.sh
 
@@ -24,8 +25,15 @@ demo: setup
 	@PG_CONFIG=$$(scripts/pg.sh pg_config_for $(DEMO_PG)) cargo run -q -p pg_dedup_harness --bin demo -- $(DEMO_ARGS)
 
 test: setup
+	@echo "== the Bloom filter itself (property tests, no server)"
+	@cargo test -q -p pg_dedup_bloom
 	@for v in $(PG_VERSIONS); do \
 	  echo "== PostgreSQL $$v"; \
 	  scripts/pg.sh install_extension $$v || exit 1; \
 	  PG_CONFIG=$$(scripts/pg.sh pg_config_for $$v) cargo test -q -p pg_dedup_tests -- --test-threads=4 || exit 1; \
 	done
+
+# Benchmarks (optimised build of the extension); BENCH_QUICK=1 for a short run.
+bench: setup
+	@scripts/pg.sh install_extension $(DEMO_PG) --release
+	@PG_CONFIG=$$(scripts/pg.sh pg_config_for $(DEMO_PG)) cargo run -q --release -p pg_dedup_bench --bin bench

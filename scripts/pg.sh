@@ -10,13 +10,15 @@ pg_config_for() {
   esac
 }
 
-# Builds pg_dedup for major $1 and installs it into that Postgres (its lib and share directories).
+# Builds pg_dedup for major $1 and installs it into that Postgres (its lib and share directories); extra arguments
+# (e.g. --release) go to cargo pgrx install.
 install_extension() {
   local major=$1 sudo=()
+  shift
   [ "$(id -u)" -eq 0 ] || sudo=(--sudo)
   local out
   if ! out=$(cargo pgrx install "${sudo[@]}" --pg-config "$(pg_config_for "$major")" --no-default-features \
-      --features "pg$major" 2>&1); then
+      --features "pg$major" "$@" 2>&1); then
     printf '%s\n' "$out" >&2
     return 1
   fi

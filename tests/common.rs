@@ -3,6 +3,7 @@
 
 use pg_dedup_harness::postgres::{self, Client};
 pub use pg_dedup_harness::Cluster;
+use std::process::Command;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -92,4 +93,26 @@ pub fn wait_until_expired(client: &mut Client, table: &str, ids: &[&str]) {
         assert!(Instant::now() < deadline, "marks in {table} never expired");
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// Copies database `from` into a new database `to` of the same cluster with pg_dump and psql, as an operator would.
+pub fn dump_and_restore(cluster: &Cluster, from: &str, to: &str) {
+    let bindir = Command::new(pg_dedup_harness::pg_config()).arg("--bindir").output().unwrap();
+    let bindir = String::from_utf8(bindir.stdout).unwrap().trim().to_owned();
+    let dump = std::env::temp_dir().join(format!("pg_dedup_dump_{}_{from}.sql", std::process::id()));
+    let out = Command::new(format!("{bindir}/pg_dump"))
+        .args(["-d", &cluster.conn_string(from, "postgres"), "-f", dump.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "pg_dump: {}", String::from_utf8_lossy(&out.stderr));
+    let mut admin = cluster.connect("postgres");
+    admin.batch_execute(&format!("DROP DATABASE IF EXISTS {to}")).unwrap();
+    admin.batch_execute(&format!("CREATE DATABASE {to}")).unwrap();
+    let out = Command::new(format!("{bindir}/psql"))
+        .args(["-X", "-v", "ON_ERROR_STOP=1", "-q", "-d", &cluster.conn_string(to, "postgres")])
+        .args(["-f", dump.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_file(&dump);
+    assert!(out.status.success(), "restore: {}", String::from_utf8_lossy(&out.stderr));
 }

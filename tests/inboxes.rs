@@ -1,7 +1,6 @@
 //! Inboxes: independent namespaces, real tables, listed in dedup.inboxes, dumped by pg_dump.
 
 use pg_dedup_tests::*;
-use std::process::Command;
 
 #[test]
 fn default_inbox_exists_after_create_extension() {
@@ -75,24 +74,7 @@ fn pg_dump_and_restore_keep_every_inbox_and_mark() {
          SELECT dedup.mark_many(ARRAY['o1', 'o2', 'o3'], NULL, 'orders');",
     )
     .unwrap();
-    let bindir = Command::new(pg_dedup_harness::pg_config()).arg("--bindir").output().unwrap();
-    let bindir = String::from_utf8(bindir.stdout).unwrap().trim().to_owned();
-    let dump = std::env::temp_dir().join(format!("pg_dedup_dump_{}.sql", std::process::id()));
-    let out = Command::new(format!("{bindir}/pg_dump"))
-        .args(["-d", &cluster().conn_string("dump_source", "postgres"), "-f", dump.to_str().unwrap()])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "pg_dump: {}", String::from_utf8_lossy(&out.stderr));
-    let mut admin = connect("postgres");
-    admin.batch_execute("DROP DATABASE IF EXISTS dump_target").unwrap();
-    admin.batch_execute("CREATE DATABASE dump_target").unwrap();
-    let out = Command::new(format!("{bindir}/psql"))
-        .args(["-X", "-v", "ON_ERROR_STOP=1", "-q", "-d", &cluster().conn_string("dump_target", "postgres")])
-        .args(["-f", dump.to_str().unwrap()])
-        .output()
-        .unwrap();
-    let _ = std::fs::remove_file(&dump);
-    assert!(out.status.success(), "restore: {}", String::from_utf8_lossy(&out.stderr));
+    dump_and_restore(cluster(), "dump_source", "dump_target");
     let mut r = connect("dump_target");
     let ttl: String = r.query_one("SELECT default_ttl::text FROM dedup.inboxes WHERE name = 'orders'", &[]).unwrap().get(0);
     assert_eq!(ttl, "2 days");

@@ -180,6 +180,44 @@ impl Cluster {
         client
     }
 
+    /// Restarts the server (fast shutdown, then start): shared memory starts empty again.
+    pub fn restart(&self) {
+        self.stop();
+        self.pg_ctl_start();
+    }
+
+    /// Promotes a standby to primary and waits until it accepts writes.
+    pub fn promote(&self) {
+        check(
+            run_as_owner(&self.bindir.join("pg_ctl"), &["-D", self.data_dir().to_str().unwrap(), "-w", "promote"]),
+            "pg_ctl promote",
+        );
+    }
+
+    /// Kills one server process with SIGKILL, as a crash would; the postmaster then restarts every backend and
+    /// re-creates shared memory. Returns once the server accepts connections again.
+    pub fn crash_backend(&self, pid: i32) {
+        // A bystander connection: the postmaster's crash handling terminates it, which is how we know the crash
+        // was noticed (a connection attempt alone could race ahead of it).
+        let mut bystander = self.connect("postgres");
+        let killed = Command::new("kill").args(["-9", &pid.to_string()]).status().expect("run kill");
+        assert!(killed.success(), "kill -9 {pid} failed");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while bystander.simple_query("SELECT 1").is_ok() {
+            assert!(std::time::Instant::now() < deadline, "the server never noticed the crash");
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        loop {
+            std::thread::sleep(std::time::Duration::from_millis(200));
+            let recovered = Client::connect(&self.conn_string("postgres", "postgres"), NoTls)
+                .and_then(|mut c| c.simple_query("SELECT 1").map(|_| ()));
+            if recovered.is_ok() {
+                return;
+            }
+            assert!(std::time::Instant::now() < deadline, "the server did not recover:\n{}", self.log());
+        }
+    }
+
     /// Stops the server (fast shutdown).
     pub fn stop(&self) {
         if self.running.swap(false, Ordering::SeqCst) {
