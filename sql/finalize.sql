@@ -12,9 +12,8 @@ SELECT i.*, f.*
  CROSS JOIN dedup.filter_stats() AS f;
 
 -- Nothing is granted to PUBLIC: a role can use pg_dedup only once an administrator grants it (see README,
--- "Privileges"). Functions are EXECUTE-able by PUBLIC by default in Postgres, so take that back. The trigger
--- function stays callable: triggers run it with the writer's rights, and it only adds ids to the filter.
+-- "Privileges"). Functions are EXECUTE-able by PUBLIC by default in Postgres, so take that back. (Firing the trigger
+-- needs no privilege; creating one, in dedup.create_inbox(), needs EXECUTE on its function.)
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA dedup FROM PUBLIC;
-GRANT EXECUTE ON FUNCTION dedup.inbox_filter_trigger() TO PUBLIC;
 REVOKE ALL ON ALL TABLES IN SCHEMA dedup FROM PUBLIC;
 REVOKE ALL ON SCHEMA dedup FROM PUBLIC;

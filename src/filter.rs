@@ -333,7 +333,7 @@ pub fn summary() -> Summary {
     } else if unsafe { pg_sys::RecoveryInProgress() } {
         "off: hot standby"
     } else {
-        "on"
+        "ready"
     };
     Summary {
         state,

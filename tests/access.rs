@@ -55,6 +55,8 @@ fn a_role_without_grants_can_do_nothing() {
         "SELECT dedup.drop_inbox('default')",
         "SELECT * FROM dedup.inbox_default",
         "SELECT * FROM dedup.inboxes",
+        "SELECT * FROM dedup.stats",
+        "SELECT dedup.bloom_rebuild()",
     ] {
         let err = c.batch_execute(sql).expect_err(sql);
         assert_eq!(sqlstate(&err), "42501", "{sql}: {err}");

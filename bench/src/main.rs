@@ -74,7 +74,7 @@ fn main() {
     ]);
     let mut c = cluster.fresh_db("bench");
     c.batch_execute(&format!(
-        "SELECT count(*) FROM dedup.mark_many(array(SELECT 'present-' || g FROM generate_series(1, {})))",
+        "SELECT count(*) FROM dedup.mark_many(array(SELECT 'present-' || g FROM generate_series(1, {}) g))",
         scale.preload
     ))
     .unwrap();
@@ -144,18 +144,19 @@ fn main() {
     let version: String = c.query_one("SHOW server_version", &[]).unwrap().get(0);
     println!("\npg_dedup benchmark — PostgreSQL {version}, {} mode, medians of {} alternating rounds\n",
         if quick { "quick" } else { "full" }, scale.rounds);
-    println!("{:<44} {:>22} {:>22} {:>8}", "scenario", "A", "B", "A / B");
+    println!("{:<44} {:>28} {:>28} {:>8}", "scenario", "A", "B", "A / B");
+    let show = |label: &str, value: f64| {
+        if value < 100.0 { format!("{label} {value:.2}") } else { format!("{label} {value:.0}") }
+    };
     for r in &rows {
         println!(
-            "{:<44} {:>22} {:>22} {:>7.2}x",
+            "{:<44} {:>28} {:>28} {:>7.2}x  {}",
             r.scenario,
-            format!("{} {:.0}", r.variant_a, r.a),
-            format!("{} {:.0}", r.variant_b, r.b),
-            r.ratio()
+            show(&r.variant_a, r.a),
+            show(&r.variant_b, r.b),
+            r.ratio(),
+            r.unit
         );
-        if r.unit == "bits/key" {
-            println!("{:<44} {:>22} {:>22}", "", format!("({:.2} {})", r.a, r.unit), format!("({:.2} {})", r.b, r.unit));
-        }
     }
     let json: Vec<String> = rows
         .iter()
