@@ -15,17 +15,8 @@ CREATE TABLE dedup.inbox_registry (
     default_ttl interval NOT NULL CHECK (default_ttl > interval '0'),
     created_at  timestamptz NOT NULL DEFAULT pg_catalog.now()
 );
--- pg_dump keeps the registry rows; the default inbox's row is recreated by CREATE EXTENSION itself.
+-- pg_dump keeps the registry rows; the default inbox's row is recreated by CREATE EXTENSION itself (finalize.sql).
 SELECT pg_catalog.pg_extension_config_dump('dedup.inbox_registry', 'WHERE name <> ''default''');
-
--- The inbox that exists after CREATE EXTENSION. It belongs to the extension, so pg_dump dumps its rows through
--- pg_extension_config_dump; inboxes made later by dedup.create_inbox() are ordinary tables, dumped as such.
-CREATE TABLE dedup.inbox_default OF dedup.inbox_row (
-    id WITH OPTIONS PRIMARY KEY,
-    expires_at WITH OPTIONS NOT NULL
-);
-SELECT pg_catalog.pg_extension_config_dump('dedup.inbox_default', '');
-INSERT INTO dedup.inbox_registry (name, default_ttl) VALUES ('default', interval '3 days');
 
 CREATE VIEW dedup.inboxes AS
 SELECT r.name,

@@ -1,14 +1,15 @@
 -- pg_dedup: objects that need the Rust functions, then privileges.
 
--- Every row written to an inbox table passes this trigger first, which puts its id into the shared Bloom filter.
--- ENABLE ALWAYS: it fires for logical replication and session_replication_role = replica too.
-CREATE TRIGGER dedup_filter BEFORE INSERT OR UPDATE ON dedup.inbox_default
-    FOR EACH ROW EXECUTE FUNCTION dedup.inbox_filter_trigger();
-ALTER TABLE dedup.inbox_default ENABLE ALWAYS TRIGGER dedup_filter;
+-- The inbox that exists after CREATE EXTENSION, made like any other (table, indexes, filter trigger). Created by
+-- this script, it belongs to the extension, so pg_dump keeps its rows through pg_extension_config_dump; inboxes
+-- made later by dedup.create_inbox() are ordinary tables, dumped as such.
+SELECT dedup.create_inbox('default', interval '3 days');
+SELECT pg_catalog.pg_extension_config_dump('dedup.inbox_default', '');
 
 CREATE VIEW dedup.stats AS
-SELECT i.*, f.*
+SELECT i.*, w.*, f.*
   FROM dedup.inbox_stats() AS i
+ CROSS JOIN dedup.worker_stats() AS w
  CROSS JOIN dedup.filter_stats() AS f;
 
 -- Nothing is granted to PUBLIC: a role can use pg_dedup only once an administrator grants it (see README,

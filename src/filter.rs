@@ -18,172 +18,25 @@
 //!   active. Inboxes the rotation did not load (other databases) fall back to the index until loaded.
 
 use crate::guc;
-use pg_dedup_bloom::{Filter, WORDS_PER_BLOCK};
+use crate::shmem::{namespace, region, Header, COUNTERS};
+use pg_dedup_bloom::Filter;
 use pgrx::prelude::*;
-use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, Ordering};
-
-/// Inboxes (across all databases) whose state and counters the shared memory can hold.
-const MAX_INBOXES: usize = 4096;
-const MAGIC: u64 = 0x7067_5f64_6564_7570; // "pg_dedup"
-
-/// Per-inbox counters shown in `dedup.stats`.
-#[derive(Clone, Copy)]
-pub enum Counter {
-    Marks,
-    Duplicates,
-    Renewals,
-    Lookups,
-    CertainlyNew,
-    FalsePositives,
-}
-const COUNTERS: usize = 6;
-
-#[repr(C)]
-struct Entry {
-    /// `namespace()` of the inbox (database and table), 0 when the slot is free.
-    key: AtomicU64,
-    /// For each generation, the generation epoch in which this inbox's rows were loaded into it.
-    loaded: [AtomicU64; 2],
-    counters: [AtomicU64; COUNTERS],
-}
-
-#[repr(C)]
-struct Header {
-    magic: u64,
-    /// Words per generation.
-    words: u64,
-    /// The generation lookups read (0 or 1).
-    active: AtomicU32,
-    /// Changes whenever a generation is cleared, so stale `loaded` marks stop counting.
-    epoch: [AtomicU64; 2],
-    next_epoch: AtomicU64,
-    /// pid of the process rebuilding, 0 when none; rebuilds take turns.
-    rebuilder: AtomicU32,
-    rebuilds: AtomicU64,
-    last_rebuild: AtomicI64,
-    entries: [Entry; MAX_INBOXES],
-}
-
-static mut SHARED: *const Header = std::ptr::null();
-static mut SIZE: usize = 0;
-
-/// Bytes of shared memory for the configured capacity and rate.
-fn shared_size() -> usize {
-    let blocks = pg_dedup_bloom::blocks_for(guc::BLOOM_CAPACITY.get() as u64, guc::BLOOM_FPR.get());
-    std::mem::size_of::<Header>() + 2 * blocks as usize * WORDS_PER_BLOCK * 4
-}
-
-/// Called from `_PG_init` while preloading: asks for the memory and hooks its initialisation.
-pub fn init_preloaded() {
-    unsafe {
-        SIZE = shared_size();
-        #[cfg(any(feature = "pg13", feature = "pg14"))]
-        pg_sys::RequestAddinShmemSpace(SIZE);
-        #[cfg(not(any(feature = "pg13", feature = "pg14")))]
-        {
-            PREV_REQUEST = pg_sys::shmem_request_hook;
-            pg_sys::shmem_request_hook = Some(request_shmem);
-        }
-        PREV_STARTUP = pg_sys::shmem_startup_hook;
-        pg_sys::shmem_startup_hook = Some(startup_shmem);
-    }
-}
-
-#[cfg(not(any(feature = "pg13", feature = "pg14")))]
-static mut PREV_REQUEST: pg_sys::shmem_request_hook_type = None;
-static mut PREV_STARTUP: pg_sys::shmem_startup_hook_type = None;
-
-#[cfg(not(any(feature = "pg13", feature = "pg14")))]
-#[pg_guard]
-unsafe extern "C-unwind" fn request_shmem() {
-    unsafe {
-        if let Some(prev) = PREV_REQUEST {
-            prev();
-        }
-        pg_sys::RequestAddinShmemSpace(SIZE);
-    }
-}
-
-#[pg_guard]
-unsafe extern "C-unwind" fn startup_shmem() {
-    unsafe {
-        if let Some(prev) = PREV_STARTUP {
-            prev();
-        }
-        // AddinShmemInitLock is slot 21 of the main LWLock array (a C macro bindgen cannot see).
-        let init_lock = &raw mut (*pg_sys::MainLWLockArray.add(21)).lock;
-        pg_sys::LWLockAcquire(init_lock, pg_sys::LWLockMode::LW_EXCLUSIVE);
-        let mut found = false;
-        let memory = pg_sys::ShmemInitStruct(c"pg_dedup".as_ptr(), SIZE, &mut found);
-        if !found {
-            // New memory (postmaster start, or re-initialisation after a crash): all zero means no generation is
-            // trusted for any inbox.
-            std::ptr::write_bytes(memory as *mut u8, 0, SIZE);
-            let header = memory as *mut Header;
-            (*header).magic = MAGIC;
-            (*header).words = ((SIZE - std::mem::size_of::<Header>()) / 8) as u64;
-            (*header).next_epoch = AtomicU64::new(3);
-            (*header).epoch = [AtomicU64::new(1), AtomicU64::new(2)];
-        }
-        SHARED = memory as *const Header;
-        pg_sys::LWLockRelease(init_lock);
-    }
-}
-
-fn header() -> Option<&'static Header> {
-    // SAFETY: set once in the postmaster's startup hook, before any backend forks; never freed.
-    unsafe { SHARED.as_ref() }.filter(|h| h.magic == MAGIC)
-}
+use std::sync::atomic::Ordering;
 
 fn generation(h: &'static Header, gen: usize) -> Filter<'static> {
-    let words = h.words as usize;
-    // SAFETY: the words follow the header inside the region sized by `shared_size`.
-    let base = unsafe { (h as *const Header).add(1) as *const AtomicU32 };
-    Filter::new(unsafe { std::slice::from_raw_parts(base.add(gen * words), words) })
-}
-
-/// The key namespace of an inbox table of the current database.
-pub fn namespace(relid: pg_sys::Oid) -> u64 {
-    let db = unsafe { pg_sys::MyDatabaseId };
-    (u64::from(db.to_u32()) << 32) | u64::from(relid.to_u32())
-}
-
-fn entry(h: &'static Header, ns: u64, create: bool) -> Option<&'static Entry> {
-    let start = (pg_dedup_bloom::hash_key(0, &ns.to_le_bytes()) as usize) % MAX_INBOXES;
-    for i in 0..MAX_INBOXES {
-        let e = &h.entries[(start + i) % MAX_INBOXES];
-        match e.key.load(Ordering::Acquire) {
-            k if k == ns => return Some(e),
-            0 if create => match e.key.compare_exchange(0, ns, Ordering::AcqRel, Ordering::Acquire) {
-                Ok(_) => return Some(e),
-                Err(k) if k == ns => return Some(e),
-                Err(_) => continue,
-            },
-            0 => return None,
-            _ => continue,
-        }
-    }
-    None
+    Filter::new(h.filter_words(gen))
 }
 
 pub fn is_preloaded() -> bool {
-    header().is_some()
+    region().is_some()
 }
 
 /// Adds a key to both generations. Called for every row written to an inbox table, before it is written.
 pub fn add(ns: u64, id: &str) {
-    if let Some(h) = header() {
+    if let Some(h) = region() {
         let hash = pg_dedup_bloom::hash_key(ns, id.as_bytes());
         generation(h, 0).insert(hash);
         generation(h, 1).insert(hash);
-    }
-}
-
-pub fn count(ns: u64, counter: Counter, n: u64) {
-    if n > 0 {
-        if let Some(e) = header().and_then(|h| entry(h, ns, true)) {
-            e.counters[counter as usize].fetch_add(n, Ordering::Relaxed);
-        }
     }
 }
 
@@ -195,12 +48,12 @@ pub struct Trusted {
 
 impl Trusted {
     pub fn for_inbox(ns: u64) -> Option<Trusted> {
-        let h = header()?;
+        let h = region()?;
         if !guc::BLOOM.get() || unsafe { pg_sys::RecoveryInProgress() } {
             return None;
         }
         let gen = h.active.load(Ordering::Acquire) as usize;
-        let e = entry(h, ns, false)?;
+        let e = h.entry(ns, false)?;
         (e.loaded[gen].load(Ordering::Acquire) == h.epoch[gen].load(Ordering::Acquire))
             .then(|| Trusted { filter: generation(h, gen), ns })
     }
@@ -214,8 +67,8 @@ impl Trusted {
 /// A brand-new, empty inbox table is complete in the active generation: every row it will ever get passes the
 /// trigger first.
 pub fn trust_new_inbox(ns: u64) {
-    if let Some(h) = header() {
-        if let Some(e) = entry(h, ns, true) {
+    if let Some(h) = region() {
+        if let Some(e) = h.entry(ns, true) {
             let gen = h.active.load(Ordering::Acquire) as usize;
             e.loaded[gen].store(h.epoch[gen].load(Ordering::Acquire), Ordering::Release);
         }
@@ -224,13 +77,13 @@ pub fn trust_new_inbox(ns: u64) {
 
 /// Inboxes of the current database that the active generation does not cover yet.
 pub fn untrusted(inboxes: &[pg_sys::Oid]) -> Vec<pg_sys::Oid> {
-    let Some(h) = header() else { return Vec::new() };
+    let Some(h) = region() else { return Vec::new() };
     let gen = h.active.load(Ordering::Acquire) as usize;
     let epoch = h.epoch[gen].load(Ordering::Acquire);
     inboxes
         .iter()
         .copied()
-        .filter(|relid| entry(h, namespace(*relid), false).is_none_or(|e| e.loaded[gen].load(Ordering::Acquire) != epoch))
+        .filter(|relid| h.entry(namespace(*relid), false).is_none_or(|e| e.loaded[gen].load(Ordering::Acquire) != epoch))
         .collect()
 }
 
@@ -244,7 +97,7 @@ impl Drop for RebuildGuard {
 }
 
 pub fn try_begin_rebuild() -> Option<RebuildGuard> {
-    let h = header()?;
+    let h = region()?;
     let me = unsafe { pg_sys::MyProcPid } as u32;
     h.rebuilder.compare_exchange(0, me, Ordering::AcqRel, Ordering::Acquire).ok().map(|_| RebuildGuard(h))
 }
@@ -272,7 +125,7 @@ impl RebuildGuard {
     }
 
     pub fn loaded(&self, target: usize, ns: u64) {
-        if let Some(e) = entry(self.0, ns, true) {
+        if let Some(e) = self.0.entry(ns, true) {
             e.loaded[target].store(self.0.epoch[target].load(Ordering::Acquire), Ordering::Release);
         }
     }
@@ -308,13 +161,13 @@ pub struct Summary {
 
 /// The active generation's measured false-positive rate (from a sample of blocks).
 pub fn active_fpr() -> Option<f64> {
-    let h = header()?;
+    let h = region()?;
     Some(generation(h, h.active.load(Ordering::Acquire) as usize).fill_and_fpr(4096).1)
 }
 
 pub fn summary() -> Summary {
     let target_fpr = guc::BLOOM_FPR.get();
-    let Some(h) = header() else {
+    let Some(h) = region() else {
         return Summary {
             state: "off: pg_dedup is not in shared_preload_libraries",
             memory_bytes: 0,
@@ -337,7 +190,7 @@ pub fn summary() -> Summary {
     };
     Summary {
         state,
-        memory_bytes: unsafe { SIZE } as i64,
+        memory_bytes: crate::shmem::size() as i64,
         capacity: guc::BLOOM_CAPACITY.get() as i64,
         target_fpr,
         fill_ratio: Some(fill),
@@ -346,13 +199,15 @@ pub fn summary() -> Summary {
     }
 }
 
-/// Counters of one inbox and whether the filter answers for it, or None without shared memory.
-pub fn inbox_figures(ns: u64) -> Option<([i64; COUNTERS], bool)> {
-    let h = header()?;
-    let counters = entry(h, ns, false)
-        .map(|e| e.counters.each_ref().map(|c| c.load(Ordering::Relaxed) as i64))
-        .unwrap_or([0; COUNTERS]);
-    Some((counters, Trusted::for_inbox(ns).is_some()))
+/// Counters of one inbox, its purge backlog (-1: unknown) and whether the filter answers for it; None without
+/// shared memory.
+pub fn inbox_figures(ns: u64) -> Option<([i64; COUNTERS], i64, bool)> {
+    let h = region()?;
+    let (counters, backlog) = h
+        .entry(ns, false)
+        .map(|e| (e.counters.each_ref().map(|c| c.load(Ordering::Relaxed) as i64), e.backlog.load(Ordering::Relaxed)))
+        .unwrap_or(([0; COUNTERS], -1));
+    Some((counters, backlog, Trusted::for_inbox(ns).is_some()))
 }
 
 /// Row trigger on every inbox table (BEFORE INSERT OR UPDATE, ENABLE ALWAYS): puts `NEW.id` into the filter before

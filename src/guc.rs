@@ -9,8 +9,18 @@ pub static BLOOM: GucSetting<bool> = GucSetting::<bool>::new(true);
 pub static BLOOM_CAPACITY: GucSetting<i32> = GucSetting::<i32>::new(1_000_000);
 /// False-positive rate the filter is sized for at capacity (postmaster start).
 pub static BLOOM_FPR: GucSetting<f64> = GucSetting::<f64>::new(0.01);
-/// The database whose inboxes the background worker looks after (rebuilding the filter).
+/// The databases whose inboxes the background workers look after (comma-separated).
 pub static DATABASE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(c"postgres"));
+/// The workers purge expired marks at all.
+pub static PURGE: GucSetting<bool> = GucSetting::<bool>::new(true);
+/// Seconds between the start of two purge cycles.
+pub static PURGE_INTERVAL: GucSetting<i32> = GucSetting::<i32>::new(10);
+/// Rows deleted per purge transaction.
+pub static PURGE_BATCH_SIZE: GucSetting<i32> = GucSetting::<i32>::new(10_000);
+/// Pause between two purge batches, in milliseconds.
+pub static PURGE_BATCH_DELAY: GucSetting<i32> = GucSetting::<i32>::new(10);
+/// Most rows one purge cycle deletes per database (0: no cap).
+pub static PURGE_MAX_ROWS_PER_CYCLE: GucSetting<i32> = GucSetting::<i32>::new(0);
 
 /// Settings that only make sense with shared memory: defined only while `shared_preload_libraries` loads us
 /// (a postmaster-context setting defined later would be FATAL).
@@ -38,11 +48,60 @@ pub fn init_preloaded() {
     );
     GucRegistry::define_string_guc(
         c"dedup.database",
-        c"Database whose pg_dedup inboxes the background worker looks after.",
-        c"The worker rebuilds the shared Bloom filter from this database's inboxes after a restart and as marks expire.",
+        c"Databases whose pg_dedup inboxes the background workers look after (comma-separated).",
+        c"One worker per database purges expired marks and keeps the shared Bloom filter loaded. Databases that do not \
+          exist yet, or lack the extension, are waited for.",
         &DATABASE,
         GucContext::Sighup,
-        GucFlags::SUPERUSER_ONLY,
+        GucFlags::default(),
+    );
+    GucRegistry::define_bool_guc(
+        c"dedup.purge",
+        c"Let the background workers delete expired marks.",
+        c"Off: expired marks stay (they are still treated as new) until dedup.purge() is called.",
+        &PURGE,
+        GucContext::Sighup,
+        GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"dedup.purge_interval",
+        c"Time between the starts of two purge cycles.",
+        c"Each cycle deletes the expired marks of every inbox, in batches.",
+        &PURGE_INTERVAL,
+        1,
+        86_400,
+        GucContext::Sighup,
+        GucFlags::UNIT_S,
+    );
+    GucRegistry::define_int_guc(
+        c"dedup.purge_batch_size",
+        c"Expired marks deleted per purge transaction.",
+        c"Smaller batches hold fewer row locks and less WAL at a time; larger ones purge faster.",
+        &PURGE_BATCH_SIZE,
+        1,
+        1_000_000,
+        GucContext::Sighup,
+        GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"dedup.purge_batch_delay",
+        c"Pause between two purge batches.",
+        c"Leaves room for foreground work while a large backlog is purged.",
+        &PURGE_BATCH_DELAY,
+        0,
+        60_000,
+        GucContext::Sighup,
+        GucFlags::UNIT_MS,
+    );
+    GucRegistry::define_int_guc(
+        c"dedup.purge_max_rows_per_cycle",
+        c"Most expired marks one purge cycle deletes in a database (0: no cap).",
+        c"The rest waits for the next cycle; dedup.stats shows the backlog.",
+        &PURGE_MAX_ROWS_PER_CYCLE,
+        0,
+        i32::MAX,
+        GucContext::Sighup,
+        GucFlags::default(),
     );
 }
 

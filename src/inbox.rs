@@ -259,7 +259,8 @@ pub fn open(name: &str, access: Access) -> Rc<Inbox> {
 
 /// Creates the inbox's table and registers it. The table is an ordinary (non-extension) table so pg_dump keeps its
 /// definition and rows; being typed `OF dedup.inbox_row`, it depends on the extension, so `DROP EXTENSION` refuses
-/// to orphan it (and `DROP EXTENSION ... CASCADE` removes it).
+/// to orphan it (and `DROP EXTENSION ... CASCADE` removes it). The btree on `expires_at` lets a purge batch find
+/// expired marks without scanning the table; autovacuum runs early because purging leaves dead rows steadily.
 pub fn create(name: &str, default_ttl: Interval) {
     let table = qualified(name);
     Spi::connect_mut(|client| {
@@ -275,7 +276,9 @@ pub fn create(name: &str, default_ttl: Interval) {
             .update(
                 &format!(
                     "CREATE TABLE {table} OF dedup.inbox_row \
-                     (id WITH OPTIONS PRIMARY KEY, expires_at WITH OPTIONS NOT NULL)"
+                     (id WITH OPTIONS PRIMARY KEY, expires_at WITH OPTIONS NOT NULL) \
+                     WITH (autovacuum_vacuum_scale_factor = 0.05, autovacuum_vacuum_insert_scale_factor = 0.05); \
+                     CREATE INDEX ON {table} (expires_at)"
                 ),
                 None,
                 &[],
@@ -301,7 +304,7 @@ pub fn create(name: &str, default_ttl: Interval) {
             .unwrap_or_else(|e| internal("registering the inbox", e));
     });
     // Empty, and every future row passes the trigger: the filter can answer for it at once.
-    filter::trust_new_inbox(filter::namespace(relation_oid(name)));
+    filter::trust_new_inbox(crate::shmem::namespace(relation_oid(name)));
 }
 
 pub fn drop(name: &str) {

@@ -6,6 +6,7 @@
 //! - `inbox`   — inbox tables, their registry and the per-backend cache of prepared statements
 //! - `filter`  — the shared-memory Bloom filter in front of the indexes (preloaded only)
 //! - `rebuild` — loading inbox tables into the filter
+//! - `shmem`   — the shared memory region: filter words, per-inbox state and counters, worker slots
 //! - `worker`  — the background worker that keeps the filter loaded (preloaded only)
 //! - `stats`   — `dedup.stats`
 //! - `purge`   — batched deletion of expired marks
@@ -23,6 +24,7 @@ mod inbox;
 mod input;
 mod purge;
 mod rebuild;
+mod shmem;
 mod stats;
 mod worker;
 
@@ -37,7 +39,7 @@ pub extern "C-unwind" fn _PG_init() {
     // Shared memory, postmaster-level settings and the worker exist only when loaded at server start.
     if unsafe { pgrx::pg_sys::process_shared_preload_libraries_in_progress } {
         guc::init_preloaded();
-        filter::init_preloaded();
+        shmem::init_preloaded();
         worker::init_preloaded();
     }
 }

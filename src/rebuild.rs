@@ -43,7 +43,7 @@ pub fn run(rotate: bool) -> Option<Rebuilt> {
 
 fn load_inbox(guard: &RebuildGuard, target: usize, name: &str, relid: pg_sys::Oid) -> i64 {
     let inbox = inbox::open(name, Access::Read);
-    let ns = filter::namespace(relid);
+    let ns = crate::shmem::namespace(relid);
     let query = format!(
         "SELECT id FROM {} WHERE expires_at OPERATOR(pg_catalog.>) pg_catalog.clock_timestamp()",
         inbox.table

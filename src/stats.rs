@@ -13,6 +13,8 @@ fn inbox_stats() -> TableIterator<
         name!(marks, Option<i64>),
         name!(duplicates, Option<i64>),
         name!(renewals, Option<i64>),
+        name!(purged, Option<i64>),
+        name!(backlog, Option<i64>),
         name!(lookups, Option<i64>),
         name!(certainly_new, Option<i64>),
         name!(false_positives, Option<i64>),
@@ -23,9 +25,12 @@ fn inbox_stats() -> TableIterator<
         .into_iter()
         .map(|name| {
             let relid = inbox::open(&name, Access::Read).relid;
-            match filter::inbox_figures(filter::namespace(relid)) {
-                Some((c, trusted)) => (name, Some(c[0]), Some(c[1]), Some(c[2]), Some(c[3]), Some(c[4]), Some(c[5]), trusted),
-                None => (name, None, None, None, None, None, None, false),
+            match filter::inbox_figures(crate::shmem::namespace(relid)) {
+                Some((c, backlog, trusted)) => {
+                    let backlog = (backlog >= 0).then_some(backlog);
+                    (name, Some(c[0]), Some(c[1]), Some(c[2]), Some(c[6]), backlog, Some(c[3]), Some(c[4]), Some(c[5]), trusted)
+                }
+                None => (name, None, None, None, None, None, None, None, None, false),
             }
         })
         .collect();
@@ -55,4 +60,36 @@ fn filter_stats() -> TableIterator<
         s.estimated_fpr,
         s.rebuilds,
     ))
+}
+
+/// The purge worker of this database: its pid (NULL when none runs) and its last cycle.
+#[pg_extern(volatile, parallel_safe)]
+fn worker_stats() -> TableIterator<
+    'static,
+    (
+        name!(worker_pid, Option<i32>),
+        name!(purge_cycles, Option<i64>),
+        name!(last_purge_start, Option<TimestampWithTimeZone>),
+        name!(last_purge_ms, Option<f64>),
+        name!(last_purge_rows, Option<i64>),
+    ),
+> {
+    use std::sync::atomic::Ordering::Relaxed;
+    let slot = crate::shmem::region().and_then(|r| r.worker_slot(unsafe { pg_sys::MyDatabaseId }, false));
+    let row = match slot {
+        Some(w) => {
+            let pid = w.pid.load(Relaxed);
+            let cycles = w.cycles.load(Relaxed) as i64;
+            let ran = cycles > 0;
+            (
+                (pid != 0).then_some(pid),
+                Some(cycles),
+                ran.then(|| TimestampWithTimeZone::try_from(w.last_cycle_start.load(Relaxed)).ok()).flatten(),
+                ran.then(|| w.last_cycle_micros.load(Relaxed) as f64 / 1000.0),
+                ran.then(|| w.last_cycle_rows.load(Relaxed)),
+            )
+        }
+        None => (None, None, None, None, None),
+    };
+    TableIterator::once(row)
 }

@@ -1,91 +1,317 @@
-//! The background worker (registered when preloaded): keeps the shared filter loaded for the inboxes of
-//! `dedup.database`. It loads inboxes the active generation does not cover (after a restart, a restore, a
-//! promotion), and rotates to a fresh generation when expired marks have pushed the false-positive rate above
-//! target.
+//! Background workers (preloaded only). A launcher, connected to no database, starts one worker per database named
+//! in `dedup.database` once that database exists, starts it again if it dies (a crash, `pg_terminate_backend`),
+//! and stops the workers of databases no longer listed. Each database's worker purges expired marks every
+//! `dedup.purge_interval`, batch by batch in short transactions, and keeps the shared Bloom filter loaded for the
+//! database's inboxes. Nothing crash-loops: a missing database or extension is logged once and waited for, and an
+//! ERROR in one batch is logged and the next goes on.
 
-use crate::{filter, guc, inbox, rebuild};
-use pgrx::bgworkers::{BackgroundWorker, BackgroundWorkerBuilder, BgWorkerStartTime, SignalWakeFlags};
+use crate::claim::statement_now;
+use crate::inbox::{self, Access};
+use crate::shmem::{self, WorkerSlot};
+use crate::{filter, guc, purge, rebuild};
+use pgrx::bgworkers::{
+    BackgroundWorker, BackgroundWorkerBuilder, BackgroundWorkerStatus, BgWorkerStartTime, DynamicBackgroundWorker,
+    SignalWakeFlags,
+};
 use pgrx::prelude::*;
-use std::time::Duration;
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
 
-/// How often the worker looks at the filter.
+/// How often the launcher looks at its workers, and a worker at the filter.
 const NAP: Duration = Duration::from_secs(1);
-/// Rotate when the measured rate exceeds the target (or what the last rotation achieved) by this factor.
+/// Rotate the filter when its measured rate exceeds the target (or what the last rotation achieved) by this factor.
 const ROTATE_AT: f64 = 1.1;
+/// Backlog counts stop here: past it, "a lot" is all an operator needs to know.
+const BACKLOG_COUNT_CAP: i64 = 1_000_000;
 
 pub fn init_preloaded() {
-    BackgroundWorkerBuilder::new("pg_dedup worker")
-        .set_type("pg_dedup worker")
+    BackgroundWorkerBuilder::new("pg_dedup launcher")
+        .set_type("pg_dedup launcher")
         .set_library("pg_dedup")
-        .set_function("pg_dedup_worker_main")
+        .set_function("pg_dedup_launcher_main")
         .enable_spi_access()
         .set_start_time(BgWorkerStartTime::RecoveryFinished)
         .set_restart_time(Some(Duration::from_secs(5)))
         .load();
 }
 
+/// Runs `body` in a transaction of its own. An ERROR is logged (with `what`), the transaction rolled back, and
+/// None returned, so one failing step never takes the worker down.
+fn in_transaction<R>(what: &str, body: impl FnOnce() -> R + std::panic::UnwindSafe) -> Option<R> {
+    let context = unsafe { pg_sys::CurrentMemoryContext };
+    unsafe {
+        pg_sys::SetCurrentStatementStartTimestamp();
+        pg_sys::StartTransactionCommand();
+        pg_sys::PushActiveSnapshot(pg_sys::GetTransactionSnapshot());
+    }
+    PgTryBuilder::new(|| {
+        let result = body();
+        unsafe {
+            pg_sys::PopActiveSnapshot();
+            pg_sys::CommitTransactionCommand();
+        }
+        Some(result)
+    })
+    .catch_others(|caught| {
+        let message = match &caught {
+            pg_sys::panic::CaughtError::PostgresError(e) | pg_sys::panic::CaughtError::ErrorReport(e) => e.message().to_owned(),
+            pg_sys::panic::CaughtError::RustPanic { ereport, .. } => ereport.message().to_owned(),
+        };
+        log!("pg_dedup worker: {what} failed: {message}");
+        unsafe {
+            pg_sys::AbortCurrentTransaction();
+            pg_sys::MemoryContextSwitchTo(context);
+        }
+        None
+    })
+    .execute()
+}
+
+fn configured_databases() -> Vec<String> {
+    let list = guc::DATABASE.get().and_then(|s| s.into_string().ok()).unwrap_or_default();
+    let mut names: Vec<String> = list.split(',').map(|s| s.trim().to_owned()).filter(|s| !s.is_empty()).collect();
+    names.dedup();
+    names
+}
+
 #[pg_guard]
 #[no_mangle]
-pub extern "C-unwind" fn pg_dedup_worker_main(_arg: pg_sys::Datum) {
+pub extern "C-unwind" fn pg_dedup_launcher_main(_arg: pg_sys::Datum) {
     BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
-    let database = guc::DATABASE.get().and_then(|db| db.into_string().ok()).unwrap_or_default();
-    BackgroundWorker::connect_worker_to_spi(Some(&database), None);
-    log!("pg_dedup worker: looking after the inboxes of database \"{database}\"");
-    // The false-positive rate right after the last rotation: rotating again only helps once it has grown.
-    let mut floor = 0.0;
-    let mut told_missing = false;
-    while BackgroundWorker::wait_latch(Some(NAP)) {
+    BackgroundWorker::connect_worker_to_spi(None, None);
+    let mut workers: HashMap<String, DynamicBackgroundWorker> = HashMap::new();
+    let mut told_missing: HashSet<String> = HashSet::new();
+    loop {
         if BackgroundWorker::sighup_received() {
             unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
         }
-        let last_floor = floor;
-        let (installed, new_floor) = BackgroundWorker::transaction(move || {
-            let installed = Spi::get_one::<bool>("SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'pg_dedup')")
-                .ok()
-                .flatten()
-                .unwrap_or(false);
-            (installed, if installed { look_after_filter(last_floor) } else { last_floor })
-        });
-        floor = new_floor;
-        if !installed && !told_missing {
-            log!("pg_dedup worker: extension pg_dedup is not installed in database \"{database}\"; waiting");
+        let wanted = configured_databases();
+        let unlisted: Vec<String> = workers.keys().filter(|name| !wanted.contains(name)).cloned().collect();
+        for name in unlisted {
+            log!("pg_dedup launcher: database \"{name}\" is no longer in dedup.database; stopping its worker");
+            if let Some(worker) = workers.remove(&name) {
+                worker.terminate();
+            }
         }
-        told_missing = !installed;
+        // A worker that stopped (crashed, terminated, its database dropped) is started again below.
+        workers.retain(|_, worker| !matches!(worker.pid(), Err(BackgroundWorkerStatus::Stopped)));
+        let unserved: Vec<&String> = wanted.iter().filter(|name| !workers.contains_key(*name)).collect();
+        for name in unserved {
+            let oid = in_transaction("looking up a database", || database_oid(name)).flatten();
+            match oid {
+                Some(oid) => {
+                    told_missing.remove(name);
+                    match start_worker(name, oid) {
+                        Ok(worker) => {
+                            workers.insert(name.clone(), worker);
+                        }
+                        Err(e) => log!("pg_dedup launcher: could not start the worker for \"{name}\": {e:?}"),
+                    }
+                }
+                _ => {
+                    if told_missing.insert(name.clone()) {
+                        log!("pg_dedup launcher: database \"{name}\" (in dedup.database) does not exist; waiting for it");
+                    }
+                }
+            }
+        }
+        if !BackgroundWorker::wait_latch(Some(NAP)) {
+            break;
+        }
     }
 }
 
-/// One look at the filter; returns the false-positive floor (updated after a rotation).
-fn look_after_filter(floor: f64) -> f64 {
-    let relids: Vec<pg_sys::Oid> =
-        inbox::all_names().iter().map(|name| inbox::open(name, inbox::Access::Read).relid).collect();
+/// The oid of database `name`. The launcher is connected to no database, so it can read the shared catalog
+/// pg_database only by a plain heap scan (no index, no syscache), as the autovacuum launcher does.
+fn database_oid(name: &str) -> Option<pg_sys::Oid> {
+    unsafe {
+        let rel = pg_sys::table_open(pg_sys::DatabaseRelationId, pg_sys::AccessShareLock as pg_sys::LOCKMODE);
+        let scan = pg_sys::table_beginscan_catalog(rel, 0, std::ptr::null_mut());
+        let mut found = None;
+        loop {
+            let tuple = pg_sys::heap_getnext(scan, pg_sys::ScanDirection::ForwardScanDirection);
+            if tuple.is_null() {
+                break;
+            }
+            let data = (*tuple).t_data;
+            let form = (data as *const u8).add((*data).t_hoff as usize) as *const pg_sys::FormData_pg_database;
+            if std::ffi::CStr::from_ptr((*form).datname.data.as_ptr()).to_bytes() == name.as_bytes() {
+                found = Some((*form).oid);
+                break;
+            }
+        }
+        pg_sys::table_endscan(scan);
+        pg_sys::table_close(rel, pg_sys::AccessShareLock as pg_sys::LOCKMODE);
+        found
+    }
+}
+
+fn start_worker(name: &str, oid: pg_sys::Oid) -> Result<DynamicBackgroundWorker, impl std::fmt::Debug> {
+    BackgroundWorkerBuilder::new(&format!("pg_dedup worker for database {name}"))
+        .set_type("pg_dedup worker")
+        .set_library("pg_dedup")
+        .set_function("pg_dedup_worker_main")
+        .set_argument(oid.into_datum())
+        .enable_spi_access()
+        .set_notify_pid(unsafe { pg_sys::MyProcPid })
+        .load_dynamic()
+}
+
+fn alive(pid: i32) -> bool {
+    pid != 0 && unsafe { libc::kill(pid, 0) } == 0
+}
+
+#[pg_guard]
+#[no_mangle]
+pub extern "C-unwind" fn pg_dedup_worker_main(arg: pg_sys::Datum) {
+    BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
+    let db = unsafe { pg_sys::Oid::from_datum(arg, false) }.expect("the launcher passes a database oid");
+    BackgroundWorker::connect_worker_to_spi_by_oid(Some(db), None);
+    let me = unsafe { pg_sys::MyProcPid };
+    let Some(slot) = shmem::region().and_then(|r| r.worker_slot(db, true)) else {
+        log!("pg_dedup worker: no free worker slot (at most {} databases); exiting", shmem::MAX_DATABASES);
+        return;
+    };
+    let previous = slot.pid.load(Ordering::Acquire);
+    if previous != me && alive(previous) {
+        return; // A worker for this database is running already (started by an earlier launcher).
+    }
+    slot.pid.store(me, Ordering::Release);
+    let database = in_transaction("looking up the database name", || unsafe {
+        std::ffi::CStr::from_ptr(pg_sys::get_database_name(db)).to_string_lossy().into_owned()
+    })
+    .unwrap_or_default();
+    log!("pg_dedup worker: looking after the inboxes of database \"{database}\"");
+    let mut told_missing = false;
+    let mut last_purge: Option<Instant> = None;
+    loop {
+        if BackgroundWorker::sighup_received() {
+            unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
+        }
+        let installed = in_transaction("checking for the extension", || {
+            Spi::get_one::<bool>("SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_extension WHERE extname = 'pg_dedup')")
+                .ok()
+                .flatten()
+                .unwrap_or(false)
+        })
+        .unwrap_or(false);
+        if !installed && !told_missing {
+            log!("pg_dedup worker: extension pg_dedup is not installed in database \"{database}\"; waiting for it");
+        }
+        told_missing = !installed;
+        let interval = Duration::from_secs(guc::PURGE_INTERVAL.get().max(1) as u64);
+        if installed {
+            in_transaction("looking after the Bloom filter", look_after_filter);
+            if guc::PURGE.get() && last_purge.is_none_or(|t| t.elapsed() >= interval) {
+                last_purge = Some(Instant::now());
+                purge_cycle(slot);
+            }
+        }
+        let until_purge = last_purge.map_or(Duration::ZERO, |t| interval.saturating_sub(t.elapsed()));
+        if !BackgroundWorker::wait_latch(Some(until_purge.clamp(Duration::from_millis(10), NAP))) {
+            break;
+        }
+    }
+    slot.pid.store(0, Ordering::Release);
+}
+
+/// One purge cycle over every inbox of this database.
+fn purge_cycle(slot: &WorkerSlot) {
+    let started = Instant::now();
+    slot.last_cycle_start.store(unsafe { pg_sys::GetCurrentTimestamp() }, Ordering::Relaxed);
+    let names = in_transaction("listing inboxes", inbox::all_names).unwrap_or_default();
+    let cap = match guc::PURGE_MAX_ROWS_PER_CYCLE.get() {
+        0 => i64::MAX,
+        n => n as i64,
+    };
+    let mut total = 0i64;
+    for name in &names {
+        let mut capped = false;
+        loop {
+            if BackgroundWorker::sigterm_received() {
+                return;
+            }
+            let limit = (guc::PURGE_BATCH_SIZE.get() as i64).min(cap - total);
+            if limit <= 0 {
+                capped = true;
+                break;
+            }
+            let batch = in_transaction("purging a batch", || {
+                let inbox = inbox::open(name, Access::Delete);
+                purge::purge_batch(&inbox, statement_now(), limit)
+            });
+            let Some(deleted) = batch else { break };
+            total += deleted;
+            if deleted < limit {
+                break;
+            }
+            let delay = guc::PURGE_BATCH_DELAY.get();
+            if delay > 0 {
+                BackgroundWorker::wait_latch(Some(Duration::from_millis(delay as u64)));
+            }
+        }
+        record_backlog(name, capped);
+    }
+    slot.cycles.fetch_add(1, Ordering::Relaxed);
+    slot.last_cycle_micros.store(started.elapsed().as_micros() as i64, Ordering::Relaxed);
+    slot.last_cycle_rows.store(total, Ordering::Relaxed);
+}
+
+/// After a cycle: nothing left behind, unless the cycle stopped at its cap; then count what waits (bounded).
+fn record_backlog(name: &str, capped: bool) {
+    in_transaction("estimating the backlog", || {
+        let inbox = inbox::open(name, Access::Read);
+        let backlog = if capped {
+            Spi::get_one_with_args::<i64>(
+                &format!(
+                    "SELECT count(*) FROM (SELECT 1 FROM {} WHERE expires_at OPERATOR(pg_catalog.<=) $1 LIMIT {BACKLOG_COUNT_CAP}) s",
+                    inbox.table
+                ),
+                &[statement_now().into()],
+            )
+            .ok()
+            .flatten()
+            .unwrap_or(-1)
+        } else {
+            0
+        };
+        if let Some(e) = shmem::region().and_then(|r| r.entry(shmem::namespace(inbox.relid), true)) {
+            e.backlog.store(backlog, Ordering::Relaxed);
+        }
+    });
+}
+
+/// Loads inboxes the active filter generation does not cover; rotates when expired marks have pushed the measured
+/// false-positive rate above target.
+fn look_after_filter() {
+    let relids: Vec<pg_sys::Oid> = inbox::all_names().iter().map(|name| inbox::open(name, Access::Read).relid).collect();
     if !filter::untrusted(&relids).is_empty() {
         if let Some(done) = rebuild::run(false) {
             log!("pg_dedup worker: loaded {} marks of {} inbox(es) into the Bloom filter", done.keys, done.inboxes);
         }
-        return floor;
+        return;
     }
     let target = guc::BLOOM_FPR.get();
-    let Some(measured) = filter::active_fpr() else { return floor };
-    if measured > ROTATE_AT * target.max(floor) {
-        if let Some(done) = rebuild::run(true) {
-            let floor = filter::active_fpr().unwrap_or(0.0);
-            log!(
-                "pg_dedup worker: rotated the Bloom filter ({} live marks reloaded; false-positive rate {:.4} -> {:.4})",
-                done.keys,
-                measured,
-                floor
-            );
-            if floor > target {
-                warning!(
-                    "dedup: the Bloom filter is undersized: {} live marks give a false-positive rate of {:.4} \
-                     (target {target}); set dedup.bloom_capacity to at least {} and restart",
-                    done.keys,
-                    floor,
-                    done.keys * 2
-                );
-            }
-            return floor;
-        }
+    let Some(region) = shmem::region() else { return };
+    let Some(measured) = filter::active_fpr() else { return };
+    let floor = f64::from_bits(region.rate_after_rotation.load(Ordering::Relaxed));
+    if measured <= ROTATE_AT * target.max(floor) {
+        return;
     }
-    floor
+    let Some(done) = rebuild::run(true) else { return };
+    let after = filter::active_fpr().unwrap_or(0.0);
+    region.rate_after_rotation.store(after.to_bits(), Ordering::Relaxed);
+    log!(
+        "pg_dedup worker: rotated the Bloom filter ({} live marks reloaded; false-positive rate {measured:.4} -> {after:.4})",
+        done.keys
+    );
+    if after > target {
+        warning!(
+            "dedup: the Bloom filter is undersized: {} live marks give a false-positive rate of {after:.4} (target \
+             {target}); set dedup.bloom_capacity to at least {} and restart",
+            done.keys,
+            done.keys * 2
+        );
+    }
 }

@@ -1,0 +1,204 @@
+//! pg_dedup's one region of shared memory (preloaded only): the Bloom filter's generations and state, per-inbox
+//! state and counters, and the per-database worker slots. Requested at postmaster start, zeroed whenever Postgres
+//! creates it (start, and re-initialisation after a crash), so nothing in it survives a restart.
+
+use crate::guc;
+use pg_dedup_bloom::WORDS_PER_BLOCK;
+use pgrx::prelude::*;
+use std::sync::atomic::{AtomicI32, AtomicI64, AtomicU32, AtomicU64, Ordering};
+
+/// Inboxes (across all databases) whose state and counters the region can hold.
+const MAX_INBOXES: usize = 4096;
+/// Databases the background workers can serve at once.
+pub const MAX_DATABASES: usize = 64;
+const MAGIC: u64 = 0x7067_5f64_6564_7570; // "pg_dedup"
+
+/// Per-inbox counters shown in `dedup.stats`.
+#[derive(Clone, Copy)]
+pub enum Counter {
+    Marks,
+    Duplicates,
+    Renewals,
+    Lookups,
+    CertainlyNew,
+    FalsePositives,
+    Purged,
+}
+pub const COUNTERS: usize = 7;
+
+#[repr(C)]
+pub struct Entry {
+    /// `namespace()` of the inbox (database and table), 0 when the slot is free.
+    key: AtomicU64,
+    /// For each filter generation, the generation epoch in which this inbox's rows were loaded into it.
+    pub loaded: [AtomicU64; 2],
+    pub counters: [AtomicU64; COUNTERS],
+    /// Expired marks left after the worker's last cycle (it stopped at its per-cycle cap), -1 when unknown.
+    pub backlog: AtomicI64,
+}
+
+/// What the worker of one database is doing.
+#[repr(C)]
+pub struct WorkerSlot {
+    db: AtomicU32,
+    pub pid: AtomicI32,
+    pub cycles: AtomicU64,
+    pub last_cycle_start: AtomicI64,
+    pub last_cycle_micros: AtomicI64,
+    pub last_cycle_rows: AtomicI64,
+}
+
+#[repr(C)]
+pub struct Header {
+    magic: u64,
+    /// Filter words per generation.
+    pub words: u64,
+    /// The filter generation lookups read (0 or 1).
+    pub active: AtomicU32,
+    /// Changes whenever a generation is cleared, so stale `loaded` marks stop counting.
+    pub epoch: [AtomicU64; 2],
+    pub next_epoch: AtomicU64,
+    /// pid of the process rebuilding the filter, 0 when none; rebuilds take turns.
+    pub rebuilder: AtomicU32,
+    pub rebuilds: AtomicU64,
+    pub last_rebuild: AtomicI64,
+    /// The false-positive rate right after the last rotation (f64 bits): rotating again only helps past it.
+    pub rate_after_rotation: AtomicU64,
+    entries: [Entry; MAX_INBOXES],
+    workers: [WorkerSlot; MAX_DATABASES],
+}
+
+static mut REGION: *const Header = std::ptr::null();
+static mut SIZE: usize = 0;
+
+/// Bytes of the region for the configured filter capacity and rate.
+fn region_size() -> usize {
+    let blocks = pg_dedup_bloom::blocks_for(guc::BLOOM_CAPACITY.get() as u64, guc::BLOOM_FPR.get());
+    std::mem::size_of::<Header>() + 2 * blocks as usize * WORDS_PER_BLOCK * 4
+}
+
+pub fn size() -> usize {
+    unsafe { SIZE }
+}
+
+/// Called from `_PG_init` while preloading: asks for the memory and hooks its initialisation.
+pub fn init_preloaded() {
+    unsafe {
+        SIZE = region_size();
+        #[cfg(any(feature = "pg13", feature = "pg14"))]
+        pg_sys::RequestAddinShmemSpace(SIZE);
+        #[cfg(not(any(feature = "pg13", feature = "pg14")))]
+        {
+            PREV_REQUEST = pg_sys::shmem_request_hook;
+            pg_sys::shmem_request_hook = Some(request_shmem);
+        }
+        PREV_STARTUP = pg_sys::shmem_startup_hook;
+        pg_sys::shmem_startup_hook = Some(startup_shmem);
+    }
+}
+
+#[cfg(not(any(feature = "pg13", feature = "pg14")))]
+static mut PREV_REQUEST: pg_sys::shmem_request_hook_type = None;
+static mut PREV_STARTUP: pg_sys::shmem_startup_hook_type = None;
+
+#[cfg(not(any(feature = "pg13", feature = "pg14")))]
+#[pg_guard]
+unsafe extern "C-unwind" fn request_shmem() {
+    unsafe {
+        if let Some(prev) = PREV_REQUEST {
+            prev();
+        }
+        pg_sys::RequestAddinShmemSpace(SIZE);
+    }
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn startup_shmem() {
+    unsafe {
+        if let Some(prev) = PREV_STARTUP {
+            prev();
+        }
+        // AddinShmemInitLock is slot 21 of the main LWLock array (a C macro bindgen cannot see).
+        let init_lock = &raw mut (*pg_sys::MainLWLockArray.add(21)).lock;
+        pg_sys::LWLockAcquire(init_lock, pg_sys::LWLockMode::LW_EXCLUSIVE);
+        let mut found = false;
+        let memory = pg_sys::ShmemInitStruct(c"pg_dedup".as_ptr(), SIZE, &mut found);
+        if !found {
+            // New memory (postmaster start, or re-initialisation after a crash): all zero means no filter
+            // generation is trusted for any inbox, and no worker is running.
+            std::ptr::write_bytes(memory as *mut u8, 0, SIZE);
+            let header = memory as *mut Header;
+            (*header).magic = MAGIC;
+            (*header).words = ((SIZE - std::mem::size_of::<Header>()) / 8) as u64;
+            (*header).next_epoch = AtomicU64::new(3);
+            (*header).epoch = [AtomicU64::new(1), AtomicU64::new(2)];
+        }
+        REGION = memory as *const Header;
+        pg_sys::LWLockRelease(init_lock);
+    }
+}
+
+/// The region, or None when pg_dedup was not preloaded.
+pub fn region() -> Option<&'static Header> {
+    // SAFETY: set in the postmaster's startup hook before any backend forks; never freed while we run.
+    unsafe { REGION.as_ref() }.filter(|h| h.magic == MAGIC)
+}
+
+impl Header {
+    /// The words of filter generation `gen`.
+    pub fn filter_words(&'static self, gen: usize) -> &'static [AtomicU32] {
+        let words = self.words as usize;
+        // SAFETY: the words follow the header inside the region sized by `region_size`.
+        unsafe {
+            let base = (self as *const Header).add(1) as *const AtomicU32;
+            std::slice::from_raw_parts(base.add(gen * words), words)
+        }
+    }
+
+    /// The entry of inbox `ns`, claimed when `create` and free slots remain. Open addressing with linear probing;
+    /// entries are never freed, so the first free slot ends a search.
+    pub fn entry(&'static self, ns: u64, create: bool) -> Option<&'static Entry> {
+        let start = (pg_dedup_bloom::hash_key(0, &ns.to_le_bytes()) as usize) % MAX_INBOXES;
+        for i in 0..MAX_INBOXES {
+            let e = &self.entries[(start + i) % MAX_INBOXES];
+            let mut key = e.key.load(Ordering::Acquire);
+            if key == 0 && create {
+                key = match e.key.compare_exchange(0, ns, Ordering::AcqRel, Ordering::Acquire) {
+                    Ok(_) => ns,
+                    Err(other) => other,
+                };
+            }
+            if key == ns {
+                return Some(e);
+            }
+            if key == 0 {
+                return None;
+            }
+        }
+        None
+    }
+
+    /// The slot of database `db`'s worker, claimed when `create` and free slots remain.
+    pub fn worker_slot(&'static self, db: pg_sys::Oid, create: bool) -> Option<&'static WorkerSlot> {
+        let db = db.to_u32();
+        self.workers.iter().find(|w| w.db.load(Ordering::Acquire) == db).or_else(|| {
+            create.then(|| self.workers.iter().find(|w| w.db.compare_exchange(0, db, Ordering::AcqRel, Ordering::Acquire).is_ok())).flatten()
+        })
+    }
+}
+
+/// The key namespace of an inbox table of the current database: its database and table, so equal ids in two
+/// inboxes are two keys and a re-created inbox (a new table) starts clean.
+pub fn namespace(relid: pg_sys::Oid) -> u64 {
+    let db = unsafe { pg_sys::MyDatabaseId };
+    (u64::from(db.to_u32()) << 32) | u64::from(relid.to_u32())
+}
+
+/// Adds `n` to one of an inbox's counters (nothing without preloading).
+pub fn count(ns: u64, counter: Counter, n: u64) {
+    if n > 0 {
+        if let Some(e) = region().and_then(|h| h.entry(ns, true)) {
+            e.counters[counter as usize].fetch_add(n, Ordering::Relaxed);
+        }
+    }
+}
