@@ -117,9 +117,15 @@ pub extern "C-unwind" fn pg_dedup_launcher_main(_arg: pg_sys::Datum) {
             }
         }
         if !BackgroundWorker::wait_latch(Some(NAP)) {
-            break;
+            exit_for_restart();
         }
     }
+}
+
+/// Leaves on SIGTERM with exit code 1: the postmaster then starts the launcher again after its restart time (a
+/// `pg_terminate_backend` is not a request to stop for good), and at server shutdown nothing is restarted anyway.
+fn exit_for_restart() -> ! {
+    unsafe { pg_sys::proc_exit(1) }
 }
 
 /// The oid of database `name`. The launcher is connected to no database, so it can read the shared catalog
@@ -210,10 +216,11 @@ pub extern "C-unwind" fn pg_dedup_worker_main(arg: pg_sys::Datum) {
         }
         let until_purge = last_purge.map_or(Duration::ZERO, |t| interval.saturating_sub(t.elapsed()));
         if !BackgroundWorker::wait_latch(Some(until_purge.clamp(Duration::from_millis(10), NAP))) {
-            break;
+            // Terminated: the launcher notices and starts a new worker (unless the database left the list).
+            slot.pid.store(0, Ordering::Release);
+            exit_for_restart();
         }
     }
-    slot.pid.store(0, Ordering::Release);
 }
 
 /// One purge cycle over every inbox of this database.

@@ -1,0 +1,182 @@
+//! The purge worker on preloaded servers: expired marks go, live ones stay, renewals win, the worker survives
+//! being terminated, follows config reloads, waits for missing databases and extensions, and outlives an ERROR.
+
+use pg_dedup_harness::postgres::Client;
+use pg_dedup_tests::*;
+use std::thread;
+use std::time::{Duration, Instant};
+
+fn preloaded(databases: &str, extra: &[&str]) -> Cluster {
+    let workers = format!("dedup.database = '{databases}'");
+    let mut conf = vec!["shared_preload_libraries = 'pg_dedup'", workers.as_str(), "dedup.purge_interval = '1s'"];
+    conf.extend_from_slice(extra);
+    Cluster::start(&conf)
+}
+
+fn eventually(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn worker_pid(c: &mut Client, db: &str) -> Option<i32> {
+    c.query_opt("SELECT pid FROM pg_stat_activity WHERE backend_type = 'pg_dedup worker' AND datname = $1", &[&db])
+        .unwrap()
+        .map(|r| r.get(0))
+}
+
+fn launcher_pid(c: &mut Client) -> Option<i32> {
+    c.query_opt("SELECT pid FROM pg_stat_activity WHERE backend_type = 'pg_dedup launcher'", &[]).unwrap().map(|r| r.get(0))
+}
+
+fn expire_soon(c: &mut Client, prefix: &str, n: i32) {
+    c.execute("SELECT count(*) FROM dedup.mark_many(array(SELECT $1 || g FROM generate_series(1, $2) g), '1 second')", &[&prefix, &n])
+        .unwrap();
+}
+
+#[test]
+fn expired_marks_disappear_within_a_few_cycles_and_live_ones_stay() {
+    let cluster = preloaded("purge_basic", &["dedup.purge_batch_size = 100"]);
+    let mut c = cluster.fresh_db("purge_basic");
+    c.batch_execute("SELECT dedup.create_inbox('other')").unwrap();
+    expire_soon(&mut c, "e", 1000);
+    c.batch_execute("SELECT dedup.mark_many(array(SELECT 'o' || g FROM generate_series(1, 300) g), '1 second', 'other')").unwrap();
+    c.batch_execute("SELECT dedup.mark_many(array(SELECT 'live' || g FROM generate_series(1, 50) g), '1 hour')").unwrap();
+    eventually("the expired marks are purged", || {
+        count(&mut c, "dedup.inbox_default") == 50 && count(&mut c, "dedup.inbox_other") == 0
+    });
+    let live: i64 = c.query_one("SELECT count(*) FROM dedup.inbox_default WHERE id LIKE 'live%'", &[]).unwrap().get(0);
+    assert_eq!(live, 50, "live marks must stay");
+    let row = c
+        .query_one("SELECT sum(purged)::bigint, min(purge_cycles), bool_and(last_purge_start IS NOT NULL) FROM dedup.stats", &[])
+        .unwrap();
+    assert_eq!(row.get::<_, i64>(0), 1300, "dedup.stats counts every purged mark");
+    assert!(row.get::<_, i64>(1) >= 1 && row.get::<_, bool>(2));
+}
+
+#[test]
+fn a_mark_renewing_an_expired_id_wins_against_a_purge() {
+    // dedup.purge() runs the worker's batch statement; two orders of the race, each forced with row locks.
+    let mut setup = db("purge_race");
+    setup.batch_execute("SELECT dedup.mark('x', '1 second'); SELECT dedup.mark('y', '1 second')").unwrap();
+    wait_until_expired(&mut setup, "dedup.inbox_default", &["x", "y"]);
+
+    // The purge deletes first and holds the row; the renewing mark waits, then re-inserts: the id stays marked.
+    let mut purger = connect("purge_race");
+    purger.batch_execute("BEGIN").unwrap();
+    let purged: i64 = purger.query_one("SELECT dedup.purge(NULL, 1)", &[]).unwrap().get(0);
+    assert_eq!(purged, 1);
+    let gone: String = purger.query_one("SELECT i FROM unnest(array['x','y']) i EXCEPT SELECT id FROM dedup.inbox_default", &[]).unwrap().get(0);
+    let mut marker = connect("purge_race");
+    let pid = backend_pid(&mut marker);
+    let renewing = gone.clone();
+    let waiter = thread::spawn(move || marker.query_one("SELECT dedup.mark($1, '1 hour')", &[&renewing]).map(|r| r.get::<_, bool>(0)));
+    wait_until_blocked(&mut setup, pid);
+    purger.batch_execute("COMMIT").unwrap();
+    assert!(waiter.join().unwrap().unwrap(), "the expired id is new again");
+    let live: bool = setup
+        .query_one("SELECT expires_at > now() + interval '50 minutes' FROM dedup.inbox_default WHERE id = $1", &[&gone])
+        .unwrap()
+        .get(0);
+    assert!(live, "the id stays marked with its new expiry");
+
+    // The mark renews first and holds the row; the purge skips it without waiting.
+    let other = if gone == "x" { "y" } else { "x" };
+    let mut marker = connect("purge_race");
+    marker.batch_execute("BEGIN").unwrap();
+    assert!(marker.query_one("SELECT dedup.mark($1, '1 hour')", &[&other]).unwrap().get::<_, bool>(0));
+    let purged: i64 = purger.query_one("SELECT dedup.purge()", &[]).unwrap().get(0);
+    assert_eq!(purged, 0, "a row being renewed is skipped, not waited for");
+    marker.batch_execute("COMMIT").unwrap();
+    assert!(!mark(&mut setup, other), "the renewed id is live");
+}
+
+#[test]
+fn the_worker_comes_back_after_pg_terminate_backend() {
+    let cluster = preloaded("purge_terminate", &[]);
+    let mut c = cluster.fresh_db("purge_terminate");
+    let mut first = None;
+    eventually("the worker starts", || {
+        first = worker_pid(&mut c, "purge_terminate");
+        first.is_some()
+    });
+    c.execute("SELECT pg_terminate_backend($1)", &[&first.unwrap()]).unwrap();
+    let launcher = launcher_pid(&mut c).expect("the launcher runs");
+    c.execute("SELECT pg_terminate_backend($1)", &[&launcher]).unwrap();
+    eventually("a new worker runs", || worker_pid(&mut c, "purge_terminate").is_some_and(|p| Some(p) != first));
+    eventually("a new launcher runs", || launcher_pid(&mut c).is_some_and(|p| p != launcher));
+    expire_soon(&mut c, "t", 100);
+    eventually("the new worker purges", || count(&mut c, "dedup.inbox_default") == 0);
+    let workers: i64 = c
+        .query_one("SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'pg_dedup worker'", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(workers, 1, "a restarted launcher must not start a second worker for the database");
+}
+
+#[test]
+fn a_config_reload_changes_the_interval() {
+    let cluster = preloaded("purge_reload", &["dedup.purge_interval = '1h'"]);
+    let mut c = cluster.fresh_db("purge_reload");
+    eventually("the first cycle ran", || {
+        c.query_one("SELECT coalesce(purge_cycles, 0) FROM dedup.stats", &[]).unwrap().get::<_, i64>(0) >= 1
+    });
+    expire_soon(&mut c, "r", 100);
+    wait_until_expired(&mut c, "dedup.inbox_default", &["r1", "r100"]);
+    thread::sleep(Duration::from_secs(2));
+    assert_eq!(count(&mut c, "dedup.inbox_default"), 100, "the next cycle is an hour away");
+    c.batch_execute("ALTER SYSTEM SET dedup.purge_interval = '1s'").unwrap();
+    c.batch_execute("SELECT pg_reload_conf()").unwrap();
+    eventually("the reloaded interval applies", || count(&mut c, "dedup.inbox_default") == 0);
+}
+
+#[test]
+fn missing_databases_and_extensions_are_waited_for_without_a_crash_loop() {
+    let cluster = preloaded("purge_later, purge_noext", &[]);
+    let mut admin = cluster.connect("postgres");
+    admin.batch_execute("CREATE DATABASE purge_noext").unwrap();
+    let launcher = launcher_pid(&mut admin).expect("the launcher runs");
+    eventually("the worker of the database without the extension runs", || worker_pid(&mut admin, "purge_noext").is_some());
+    let waiting = worker_pid(&mut admin, "purge_noext");
+    thread::sleep(Duration::from_secs(3));
+    assert_eq!(launcher_pid(&mut admin), Some(launcher), "the launcher must not restart");
+    assert_eq!(worker_pid(&mut admin, "purge_noext"), waiting, "a worker waiting for the extension must not restart");
+    // Both arrive later: the database, and the extension in the other one.
+    let mut later = cluster.fresh_db("purge_later");
+    let mut noext = cluster.connect("purge_noext");
+    noext.batch_execute("CREATE EXTENSION pg_dedup").unwrap();
+    expire_soon(&mut later, "l", 50);
+    expire_soon(&mut noext, "n", 50);
+    eventually("both databases are purged", || {
+        count(&mut later, "dedup.inbox_default") == 0 && count(&mut noext, "dedup.inbox_default") == 0
+    });
+}
+
+#[test]
+fn an_error_in_a_batch_is_logged_and_the_next_cycle_goes_on() {
+    let cluster = preloaded("purge_error", &[]);
+    let mut c = cluster.fresh_db("purge_error");
+    c.batch_execute(
+        "CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION 'not now'; END $$;
+         CREATE TRIGGER refuse BEFORE DELETE ON dedup.inbox_default FOR EACH ROW EXECUTE FUNCTION refuse();",
+    )
+    .unwrap();
+    let cycles = |c: &mut Client| c.query_one("SELECT coalesce(purge_cycles, 0) FROM dedup.stats", &[]).unwrap().get::<_, i64>(0);
+    expire_soon(&mut c, "err", 20);
+    let pid = {
+        let mut pid = None;
+        eventually("the worker runs", || {
+            pid = worker_pid(&mut c, "purge_error");
+            pid.is_some()
+        });
+        pid
+    };
+    let before = cycles(&mut c);
+    eventually("two more cycles ran despite the failing batches", || cycles(&mut c) >= before + 2);
+    assert_eq!(count(&mut c, "dedup.inbox_default"), 20, "the failing batches deleted nothing");
+    assert_eq!(worker_pid(&mut c, "purge_error"), pid, "the worker did not die");
+    c.batch_execute("DROP TRIGGER refuse ON dedup.inbox_default").unwrap();
+    eventually("the purge goes on once the error is gone", || count(&mut c, "dedup.inbox_default") == 0);
+}
