@@ -124,8 +124,10 @@ pub extern "C-unwind" fn pg_dedup_launcher_main(_arg: pg_sys::Datum) {
 
 /// Leaves on SIGTERM with exit code 1: the postmaster then starts the launcher again after its restart time (a
 /// `pg_terminate_backend` is not a request to stop for good), and at server shutdown nothing is restarted anyway.
+#[allow(unreachable_code)] // proc_exit is declared noreturn in some majors' headers and not in others
 fn exit_for_restart() -> ! {
-    unsafe { pg_sys::proc_exit(1) }
+    unsafe { pg_sys::proc_exit(1) };
+    unreachable!("proc_exit does not return")
 }
 
 /// The oid of database `name`. The launcher is connected to no database, so it can read the shared catalog

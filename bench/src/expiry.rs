@@ -1,0 +1,124 @@
+//! Expiry: pg_dedup's purge batches against a hand-written ctid-batched DELETE on an identical table, the cost of
+//! the `expires_at` btree on mark(), foreground marks while a backlog is purged, and table size over TTL cycles.
+
+use crate::{alternate, timed, Row, Scale};
+use pg_dedup_harness::postgres::Client;
+use pg_dedup_harness::Cluster;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+/// The hand-written baseline: the same columns and indexes as an inbox table, and the DELETE teams write.
+const RAW_TABLE: &str = "CREATE TABLE raw_inbox (id text COLLATE \"C\" PRIMARY KEY, expires_at timestamptz NOT NULL);
+                         CREATE INDEX ON raw_inbox (expires_at);";
+const RAW_PURGE: &str = "DO $$ DECLARE n bigint; BEGIN LOOP
+      DELETE FROM raw_inbox WHERE ctid = ANY (ARRAY(
+          SELECT ctid FROM raw_inbox WHERE expires_at <= now() LIMIT 10000));
+      GET DIAGNOSTICS n = ROW_COUNT; EXIT WHEN n < 10000; END LOOP; END $$";
+
+fn load_expired(c: &mut Client, table: &str, n: i64) {
+    c.batch_execute(&format!(
+        "INSERT INTO {table} (id, expires_at) SELECT 'x' || g, now() - interval '1 hour' FROM generate_series(1, {n}) g;
+         VACUUM ANALYZE {table};"
+    ))
+    .unwrap();
+}
+
+fn size(c: &mut Client, table: &str) -> f64 {
+    c.query_one(&format!("SELECT pg_total_relation_size('{table}')::float8"), &[]).unwrap().get(0)
+}
+
+pub fn scenarios(cluster: &Cluster, c: &mut Client, scale: &Scale) -> Vec<Row> {
+    let mut rows = Vec::new();
+    c.batch_execute(RAW_TABLE).unwrap();
+    c.batch_execute("SELECT dedup.create_inbox('purged'), dedup.create_inbox('unindexed')").unwrap();
+    c.batch_execute("DROP INDEX dedup.inbox_unindexed_expires_at_idx").unwrap();
+
+    let n = scale.purge_rows;
+    let [ours, raw] = alternate(scale.rounds, |variant, _| {
+        let table = ["dedup.inbox_purged", "raw_inbox"][variant];
+        load_expired(c, table, n);
+        let sql = ["SELECT dedup.purge('purged')", RAW_PURGE][variant];
+        timed(c, sql, n)
+    });
+    rows.push(Row::new(
+        "purge of expired rows, batches of 10,000",
+        ("dedup.purge()", ours),
+        ("ctid-batched DELETE", raw),
+        "rows/s",
+    ));
+
+    let m = scale.marks;
+    let [indexed, bare] = alternate(scale.rounds, |variant, round| {
+        let inbox = ["purged", "unindexed"][variant];
+        timed(
+            c,
+            &format!("SELECT count(*) FROM generate_series(1, {m}) g WHERE dedup.mark('i{round}-' || g, NULL, '{inbox}')"),
+            m,
+        )
+    });
+    rows.push(Row::new(
+        "mark() cost of the expires_at btree",
+        ("with btree", indexed),
+        ("without", bare),
+        "marks/s",
+    ));
+
+    // Foreground marks while a backlog is purged the way the worker does it (batches of 10,000 in their own
+    // transactions, 10 ms apart), against the same marks with nothing else running.
+    let [busy, idle] = alternate(scale.rounds, |variant, round| {
+        let purging = variant == 0;
+        if purging {
+            load_expired(c, "dedup.inbox_purged", n);
+        }
+        let stop = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            if purging {
+                let stop = &stop;
+                s.spawn(move || {
+                    let mut p = cluster.connect("bench");
+                    while !stop.load(Ordering::Relaxed) {
+                        let done: i64 = p.query_one("SELECT dedup.purge('purged', 10000)", &[]).unwrap().get(0);
+                        if done < 10_000 {
+                            break;
+                        }
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
+                });
+            }
+            let rate = timed(
+                c,
+                &format!("SELECT count(*) FROM generate_series(1, {m}) g WHERE dedup.mark('f{variant}-{round}-' || g)"),
+                m,
+            );
+            stop.store(true, Ordering::Relaxed);
+            rate
+        })
+    });
+    rows.push(Row::new("foreground mark() while purging a backlog", ("purging", busy), ("idle", idle), "marks/s"));
+
+    // Table size over TTL cycles: each cycle marks a wave with a short TTL, lets it expire, purges it and vacuums
+    // (autovacuum's job, done here explicitly so the result does not depend on its timing).
+    let wave = scale.cycle_rows;
+    c.batch_execute("SELECT dedup.create_inbox('cycled'), dedup.create_inbox('fresh')").unwrap();
+    for cycle in 0..5 {
+        c.batch_execute(&format!(
+            "SELECT count(*) FROM dedup.mark_many(array(SELECT 'c{cycle}-' || g FROM generate_series(1, {wave}) g), '1 second', 'cycled')"
+        ))
+        .unwrap();
+        std::thread::sleep(Duration::from_millis(1100));
+        c.batch_execute("SELECT dedup.purge('cycled'); VACUUM dedup.inbox_cycled").unwrap();
+    }
+    let live = format!("array(SELECT 'live-' || g FROM generate_series(1, {wave}) g)");
+    c.batch_execute(&format!(
+        "SELECT count(*) FROM dedup.mark_many({live}, '1 hour', 'cycled');
+         SELECT count(*) FROM dedup.mark_many({live}, '1 hour', 'fresh');"
+    ))
+    .unwrap();
+    rows.push(Row::new(
+        "inbox size after 5 TTL cycles vs freshly loaded",
+        ("after 5 cycles MB", size(c, "dedup.inbox_cycled") / 1e6),
+        ("fresh MB", size(c, "dedup.inbox_fresh") / 1e6),
+        "MB",
+    ));
+    rows
+}
