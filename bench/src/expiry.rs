@@ -17,10 +17,10 @@ const RAW_PURGE: &str = "DO $$ DECLARE n bigint; BEGIN LOOP
 
 fn load_expired(c: &mut Client, table: &str, n: i64) {
     c.batch_execute(&format!(
-        "INSERT INTO {table} (id, expires_at) SELECT 'x' || g, now() - interval '1 hour' FROM generate_series(1, {n}) g;
-         VACUUM ANALYZE {table};"
+        "INSERT INTO {table} (id, expires_at) SELECT 'x' || g, now() - interval '1 hour' FROM generate_series(1, {n}) g"
     ))
     .unwrap();
+    c.batch_execute(&format!("VACUUM ANALYZE {table}")).unwrap();
 }
 
 fn size(c: &mut Client, table: &str) -> f64 {
@@ -68,6 +68,7 @@ pub fn scenarios(cluster: &Cluster, c: &mut Client, scale: &Scale) -> Vec<Row> {
     let [busy, idle] = alternate(scale.rounds, |variant, round| {
         let purging = variant == 0;
         if purging {
+            c.batch_execute("SELECT dedup.purge('purged')").unwrap();
             load_expired(c, "dedup.inbox_purged", n);
         }
         let stop = AtomicBool::new(false);
@@ -94,6 +95,7 @@ pub fn scenarios(cluster: &Cluster, c: &mut Client, scale: &Scale) -> Vec<Row> {
             rate
         })
     });
+    c.batch_execute("SELECT dedup.purge('purged')").unwrap();
     rows.push(Row::new("foreground mark() while purging a backlog", ("purging", busy), ("idle", idle), "marks/s"));
 
     // Table size over TTL cycles: each cycle marks a wave with a short TTL, lets it expire, purges it and vacuums
@@ -106,7 +108,8 @@ pub fn scenarios(cluster: &Cluster, c: &mut Client, scale: &Scale) -> Vec<Row> {
         ))
         .unwrap();
         std::thread::sleep(Duration::from_millis(1100));
-        c.batch_execute("SELECT dedup.purge('cycled'); VACUUM dedup.inbox_cycled").unwrap();
+        c.batch_execute("SELECT dedup.purge('cycled')").unwrap();
+        c.batch_execute("VACUUM dedup.inbox_cycled").unwrap();
     }
     let live = format!("array(SELECT 'live-' || g FROM generate_series(1, {wave}) g)");
     c.batch_execute(&format!(
