@@ -62,8 +62,11 @@ pub struct Header {
     pub rebuilder: AtomicU32,
     pub rebuilds: AtomicU64,
     pub last_rebuild: AtomicI64,
-    /// The false-positive rate right after the last rotation (f64 bits): rotating again only helps past it.
-    pub rate_after_rotation: AtomicU64,
+    /// No rotation before this time (microseconds since the Postgres epoch): rotations that could not bring the
+    /// rate down (marks kept pouring in, or too many live marks) back off instead of repeating every second.
+    pub next_rotation_at: AtomicI64,
+    /// Seconds to wait after the next rotation if it, too, ends above target.
+    pub rotation_backoff: AtomicU64,
     entries: [Entry; MAX_INBOXES],
     workers: [WorkerSlot; MAX_DATABASES],
 }

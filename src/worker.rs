@@ -20,8 +20,11 @@ use std::time::{Duration, Instant};
 
 /// How often the launcher looks at its workers, and a worker at the filter.
 const NAP: Duration = Duration::from_secs(1);
-/// Rotate the filter when its measured rate exceeds the target (or what the last rotation achieved) by this factor.
+/// Rotate the filter when its measured rate exceeds the target by this factor.
 const ROTATE_AT: f64 = 1.1;
+/// Seconds between rotations that end above target, doubling from the first to the second.
+const MIN_BACKOFF: u64 = 1;
+const MAX_BACKOFF: u64 = 600;
 /// Backlog counts stop here: past it, "a lot" is all an operator needs to know.
 const BACKLOG_COUNT_CAP: i64 = 1_000_000;
 
@@ -302,23 +305,31 @@ fn look_after_filter() {
         return;
     }
     let target = guc::BLOOM_FPR.get();
-    let Some(region) = shmem::region() else { return };
-    let Some(measured) = filter::active_fpr() else { return };
-    let floor = f64::from_bits(region.rate_after_rotation.load(Ordering::Relaxed));
-    if measured <= ROTATE_AT * target.max(floor) {
+    let (Some(region), Some(measured)) = (shmem::region(), filter::active_fpr()) else { return };
+    let now = unsafe { pg_sys::GetCurrentTimestamp() };
+    if measured <= ROTATE_AT * target || now < region.next_rotation_at.load(Ordering::Relaxed) {
         return;
     }
     let Some(done) = rebuild::run(true) else { return };
     let after = filter::active_fpr().unwrap_or(0.0);
-    region.rate_after_rotation.store(after.to_bits(), Ordering::Relaxed);
+    // A rotation that ends above target (marks arriving faster than it reloads, or more live marks than the filter
+    // holds) is not repeated at once: the wait doubles, from MIN_BACKOFF up to MAX_BACKOFF, until one succeeds.
+    let backoff = if after <= target {
+        MIN_BACKOFF
+    } else {
+        (region.rotation_backoff.load(Ordering::Relaxed) * 2).clamp(MIN_BACKOFF, MAX_BACKOFF)
+    };
+    region.rotation_backoff.store(backoff, Ordering::Relaxed);
+    region.next_rotation_at.store(now + backoff as i64 * 1_000_000, Ordering::Relaxed);
     log!(
         "pg_dedup worker: rotated the Bloom filter ({} live marks reloaded; false-positive rate {measured:.4} -> {after:.4})",
         done.keys
     );
-    if after > target {
+    let capacity = guc::BLOOM_CAPACITY.get() as i64;
+    if done.keys > capacity {
         warning!(
-            "dedup: the Bloom filter is undersized: {} live marks give a false-positive rate of {after:.4} (target \
-             {target}); set dedup.bloom_capacity to at least {} and restart",
+            "dedup: the Bloom filter is undersized: {} live marks in this database alone, capacity {capacity}; set \
+             dedup.bloom_capacity to at least {} and restart",
             done.keys,
             done.keys * 2
         );
