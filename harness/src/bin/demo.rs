@@ -167,7 +167,8 @@ fn main() {
     println!("pg_dedup demo: {} payment events, {} consumers, {:.0}% producer retries, {:.0}% consumer crashes",
         o.events, o.consumers, o.duplicate_rate * 100.0, o.crash_rate * 100.0);
     let started = Instant::now();
-    let cluster = Cluster::start(&[]);
+    // The full product: preloaded, so the shared Bloom filter and the purge worker run too.
+    let cluster = Cluster::start(&["shared_preload_libraries = 'pg_dedup'", "dedup.database = 'demo'"]);
     let mut admin = cluster.fresh_db("demo");
     admin
         .batch_execute(&format!(
@@ -233,6 +234,10 @@ fn main() {
     }
     let ledger_total: i64 = admin.query_one("SELECT sum(balance)::bigint FROM accounts", &[]).unwrap().get(0);
     let marks: i64 = admin.query_one("SELECT count(*) FROM dedup.inbox_payments", &[]).unwrap().get(0);
+    let filter = admin
+        .query_one("SELECT lookups, certainly_new, filter_state FROM dedup.stats WHERE inbox = 'payments'", &[])
+        .unwrap();
+    let (lookups, certainly_new, filter_state): (i64, i64, String) = (filter.get(0), filter.get(1), filter.get(2));
 
     let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
     let published = load(&broker.published);
@@ -243,6 +248,10 @@ fn main() {
     println!("  {:<22}{:>10}", "duplicates dropped", load(&tally.duplicates));
     println!("  {:<22}{:>10}  ({} marks in dedup.inbox_payments)", "applied", load(&tally.applied), marks);
     println!("  {:<22}{:>10}  in {seconds:.1}s ({:.0} deliveries/s)", "", "", load(&broker.delivered) as f64 / seconds);
+    println!(
+        "  {:<22}{:>10}  lookups, {certainly_new} answered \"certainly new\" without the index (filter {filter_state})",
+        "Bloom filter", lookups
+    );
     println!();
     let ok = ledger_total == expected_total && mismatched == 0 && load(&tally.applied) == o.events as u64;
     if ok {
