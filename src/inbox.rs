@@ -36,9 +36,12 @@ pub enum Stmt {
     Forget,
     /// $1 now, $2 batch size → deletes up to that many expired rows, skipping rows other transactions hold.
     PurgeBatch,
+    /// The same without row locks (what a hand-written purge does): it would wait for a row another transaction
+    /// holds, so it runs under a short lock_timeout and falls back to `PurgeBatch`.
+    PurgeBatchUnlocked,
 }
 
-const STATEMENT_COUNT: usize = 7;
+const STATEMENT_COUNT: usize = 8;
 
 impl Stmt {
     fn index(self) -> usize {
@@ -71,6 +74,10 @@ impl Stmt {
                 "DELETE FROM {table} WHERE ctid OPERATOR(pg_catalog.=) ANY (ARRAY(SELECT ctid FROM {table} \
                  WHERE expires_at OPERATOR(pg_catalog.<=) $1 LIMIT $2 FOR UPDATE SKIP LOCKED))"
             ),
+            Stmt::PurgeBatchUnlocked => format!(
+                "DELETE FROM {table} WHERE ctid OPERATOR(pg_catalog.=) ANY (ARRAY(SELECT ctid FROM {table} \
+                 WHERE expires_at OPERATOR(pg_catalog.<=) $1 LIMIT $2))"
+            ),
         }
     }
 
@@ -82,7 +89,7 @@ impl Stmt {
             Stmt::Probe => vec![TEXTARRAYOID],
             Stmt::Renew => vec![TEXTARRAYOID, TIMESTAMPTZOID, TIMESTAMPTZOID],
             Stmt::Seen | Stmt::Forget => vec![TEXTOID, TIMESTAMPTZOID],
-            Stmt::PurgeBatch => vec![TIMESTAMPTZOID, INT8OID],
+            Stmt::PurgeBatch | Stmt::PurgeBatchUnlocked => vec![TIMESTAMPTZOID, INT8OID],
         };
         oids.into_iter().map(PgOid::BuiltIn).collect()
     }

@@ -1,7 +1,9 @@
-//! Deleting expired marks in short batches. One batch is one statement: it locks up to `limit` expired rows with
-//! SKIP LOCKED (a row a concurrent mark() is renewing is left alone, and that mark wins) and deletes them, found
-//! through the btree on `expires_at`, so a batch costs the same whatever the table size. `dedup.purge()` runs
-//! batches in the caller's transaction; the background worker runs each batch in a transaction of its own.
+//! Deleting expired marks in short batches, found through the btree on `expires_at`, so a batch costs the same
+//! whatever the table size. A batch never waits for a row another transaction holds (a mark() renewing it wins):
+//! it first tries a plain DELETE of up to `limit` expired rows — no row locks, the cheapest purge there is — under
+//! a 1 ms lock_timeout, inside a subtransaction; if some row is held, that attempt is rolled back and the batch is
+//! redone with `FOR UPDATE SKIP LOCKED`, which passes over held rows. `dedup.purge()` runs batches in the caller's
+//! transaction; the background worker runs each batch in a transaction of its own.
 
 use crate::claim::statement_now;
 use crate::inbox::{Inbox, Stmt};
@@ -11,11 +13,66 @@ use pgrx::prelude::*;
 /// Rows per batch for `dedup.purge()` (the worker uses `dedup.purge_batch_size`).
 pub const BATCH_SIZE: i64 = 10_000;
 
+/// How long the lock-free attempt may wait for a held row before the batch switches to skipping held rows.
+const HELD_ROW_PATIENCE: &str = "1ms";
+
 /// Deletes up to `limit` marks of `inbox` that expired before `now`; returns how many.
 pub fn purge_batch(inbox: &Inbox, now: TimestampWithTimeZone, limit: i64) -> i64 {
-    let deleted = Spi::connect(|client| inbox.run(client, Stmt::PurgeBatch, &[now.into(), limit.into()]).len()) as i64;
+    let run = |stmt| Spi::connect(|client| inbox.run(client, stmt, &[now.into(), limit.into()]).len()) as i64;
+    let deleted = in_subtransaction_unless_blocked(|| {
+        let previous = set_lock_timeout(HELD_ROW_PATIENCE);
+        let deleted = run(Stmt::PurgeBatchUnlocked);
+        set_lock_timeout(&previous);
+        deleted
+    })
+    .unwrap_or_else(|| run(Stmt::PurgeBatch));
     shmem::count(shmem::namespace(inbox.relid), Counter::Purged, deleted as u64);
     deleted
+}
+
+/// Sets lock_timeout for the rest of the transaction (or subtransaction); returns the previous value.
+fn set_lock_timeout(value: &str) -> String {
+    Spi::get_one_with_args::<String>(
+        "SELECT pg_catalog.current_setting('lock_timeout') FROM pg_catalog.set_config('lock_timeout', $1, true)",
+        &[value.into()],
+    )
+    .ok()
+    .flatten()
+    .unwrap_or_else(|| "0".to_owned())
+}
+
+/// Runs `body` in a subtransaction, the way a PL/pgSQL exception block does. If it fails on a lock wait
+/// (lock_timeout), the subtransaction is rolled back — undoing everything `body` did — and None is returned; any
+/// other error rolls the subtransaction back too and propagates.
+fn in_subtransaction_unless_blocked<R>(body: impl FnOnce() -> R) -> Option<R> {
+    // Whatever `body` touched in Postgres is undone by the rollback; Rust state it shares (the plan cache) stays
+    // valid across an unwind.
+    let body = std::panic::AssertUnwindSafe(body);
+    let (context, owner) = unsafe { (pg_sys::CurrentMemoryContext, pg_sys::CurrentResourceOwner) };
+    let restore = move || unsafe {
+        pg_sys::MemoryContextSwitchTo(context);
+        pg_sys::CurrentResourceOwner = owner;
+    };
+    unsafe { pg_sys::BeginInternalSubTransaction(std::ptr::null()) };
+    restore();
+    PgTryBuilder::new(|| {
+        let result = body();
+        unsafe { pg_sys::ReleaseCurrentSubTransaction() };
+        restore();
+        Some(result)
+    })
+    .catch_when(PgSqlErrorCode::ERRCODE_LOCK_NOT_AVAILABLE, |_| {
+        unsafe { pg_sys::RollbackAndReleaseCurrentSubTransaction() };
+        restore();
+        None
+    })
+    .catch_others(|error| {
+        // Leave the transaction as we found it, then let the error go on to the caller.
+        unsafe { pg_sys::RollbackAndReleaseCurrentSubTransaction() };
+        restore();
+        error.rethrow()
+    })
+    .execute()
 }
 
 /// Deletes up to `limit` expired marks of `inbox` (all of them when `None`), batch after batch, in the current
