@@ -42,36 +42,42 @@ pub fn add(ns: u64, id: &str) {
 
 /// A filter that can answer for one inbox right now, or None (not preloaded, switched off, standby, not loaded).
 pub struct Trusted {
-    filter: Filter<'static>,
+    header: &'static Header,
+    gen: usize,
+    epoch: u64,
     ns: u64,
 }
 
 impl Trusted {
     pub fn for_inbox(ns: u64) -> Option<Trusted> {
-        let h = region()?;
+        let header = region()?;
         if !guc::BLOOM.get() || unsafe { pg_sys::RecoveryInProgress() } {
             return None;
         }
-        let gen = h.active.load(Ordering::Acquire) as usize;
-        let e = h.entry(ns, false)?;
-        (e.loaded[gen].load(Ordering::Acquire) == h.epoch[gen].load(Ordering::Acquire))
-            .then(|| Trusted { filter: generation(h, gen), ns })
+        let gen = header.active.load(Ordering::Acquire) as usize;
+        let epoch = header.epoch[gen].load(Ordering::Acquire);
+        let e = header.entry(ns, false)?;
+        (e.loaded[gen].load(Ordering::Acquire) == epoch).then_some(Trusted { header, gen, epoch, ns })
     }
 
     /// False: certainly never marked. True: maybe.
     pub fn may_contain(&self, id: &str) -> bool {
-        self.filter.may_contain(pg_dedup_bloom::hash_key(self.ns, id.as_bytes()))
+        if generation(self.header, self.gen).may_contain(pg_dedup_bloom::hash_key(self.ns, id.as_bytes())) {
+            return true;
+        }
+        // "No" counts only if this generation was not cleared meanwhile (a rotation bumps the epoch before it
+        // clears, and the fences order that bump before any cleared word we may have read).
+        std::sync::atomic::fence(Ordering::SeqCst);
+        self.header.epoch[self.gen].load(Ordering::Acquire) != self.epoch
     }
 }
 
 /// A brand-new, empty inbox table is complete in the active generation: every row it will ever get passes the
-/// trigger first.
+/// trigger first. Skipped while a rebuild runs (the worker then loads the inbox, which is quick: it is empty).
 pub fn trust_new_inbox(ns: u64) {
-    if let Some(h) = region() {
-        if let Some(e) = h.entry(ns, true) {
-            let gen = h.active.load(Ordering::Acquire) as usize;
-            e.loaded[gen].store(h.epoch[gen].load(Ordering::Acquire), Ordering::Release);
-        }
+    if let Some(guard) = try_begin_rebuild() {
+        let gen = guard.0.active.load(Ordering::Acquire) as usize;
+        guard.loaded(gen, ns);
     }
 }
 
@@ -99,7 +105,28 @@ impl Drop for RebuildGuard {
 pub fn try_begin_rebuild() -> Option<RebuildGuard> {
     let h = region()?;
     let me = unsafe { pg_sys::MyProcPid } as u32;
+    release_at_exit_once();
     h.rebuilder.compare_exchange(0, me, Ordering::AcqRel, Ordering::Acquire).ok().map(|_| RebuildGuard(h))
+}
+
+/// A process that dies without unwinding (FATAL, e.g. pg_terminate_backend during a rebuild) must not keep the
+/// rebuild right forever.
+fn release_at_exit_once() {
+    static mut REGISTERED: bool = false;
+    unsafe {
+        if !REGISTERED {
+            REGISTERED = true;
+            pg_sys::before_shmem_exit(Some(release_rebuild_right), pg_sys::Datum::from(0));
+        }
+    }
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn release_rebuild_right(_code: i32, _arg: pg_sys::Datum) {
+    if let Some(h) = region() {
+        let me = unsafe { pg_sys::MyProcPid } as u32;
+        let _ = h.rebuilder.compare_exchange(me, 0, Ordering::AcqRel, Ordering::Acquire);
+    }
 }
 
 impl RebuildGuard {
@@ -112,11 +139,13 @@ impl RebuildGuard {
             return active;
         }
         let target = 1 - active;
-        h.epoch[target].store(h.next_epoch.fetch_add(1, Ordering::AcqRel), Ordering::Release);
+        h.epoch[target].store(h.next_epoch.fetch_add(1, Ordering::AcqRel), Ordering::SeqCst);
+        std::sync::atomic::fence(Ordering::SeqCst);
         generation(h, target).clear();
-        // Keys added to the cleared memory just before or while it was cleared are lost; they belong to
-        // transactions running now. Wait for all of them, so the reload's snapshot sees their rows.
-        wait_for_running_transactions();
+        // Keys set in the cleared memory before or while it was cleared belong to transactions that took their
+        // transaction id before setting them (the trigger sees to that). Wait for every transaction with an id
+        // running now; the reload's snapshot, taken afterwards, then sees their rows.
+        wait_for_writing_transactions();
         target
     }
 
@@ -138,12 +167,24 @@ impl RebuildGuard {
     }
 }
 
-fn wait_for_running_transactions() {
+/// Waits for every transaction that has a transaction id now. A snapshot lists running ids below its xmax only, so
+/// the ids handed out since (up to the next one to be assigned) are checked one by one.
+fn wait_for_writing_transactions() {
     unsafe {
-        let mut n = 0;
-        let vxids = pg_sys::GetCurrentVirtualXIDs(pg_sys::InvalidTransactionId, false, true, 0, &mut n);
-        for i in 0..n as usize {
-            pg_sys::VirtualXactLock(*vxids.add(i), true);
+        let snapshot = pg_sys::GetLatestSnapshot();
+        let mut running: Vec<pg_sys::TransactionId> =
+            std::slice::from_raw_parts((*snapshot).xip, (*snapshot).xcnt as usize).to_vec();
+        let next = pg_sys::TransactionId::from(pg_sys::ReadNextFullTransactionId().value as u32);
+        let mut xid = (*snapshot).xmax;
+        while xid != next {
+            if xid.into_inner() >= pg_sys::FirstNormalTransactionId.into_inner() && pg_sys::TransactionIdIsInProgress(xid) {
+                running.push(xid);
+            }
+            xid = pg_sys::TransactionId::from(xid.into_inner().wrapping_add(1));
+        }
+        let own = pg_sys::GetTopTransactionIdIfAny();
+        for xid in running.into_iter().filter(|xid| *xid != own) {
+            pg_sys::XactLockTableWait(xid, std::ptr::null_mut(), std::ptr::null_mut(), pg_sys::XLTW_Oper::XLTW_None);
         }
     }
 }
@@ -221,6 +262,9 @@ fn inbox_filter_trigger<'a>(
         if let Some(tuple) = &new {
             let id_column = std::num::NonZeroUsize::new(1).expect("1 is not zero");
             if let (Ok(Some(id)), Ok(relid)) = (tuple.get_by_index::<&str>(id_column), trigger.relid()) {
+                // The row is about to be written, which takes a transaction id anyway; taking it before the bits
+                // are set is what lets a rotation find, and wait for, every transaction whose bits it may clear.
+                unsafe { pg_sys::GetCurrentTransactionId() };
                 add(namespace(relid), id);
             }
         }

@@ -190,6 +190,11 @@ fn schema_oid() -> pg_sys::Oid {
     unsafe { pg_sys::get_namespace_oid(schema.as_ptr(), false) }
 }
 
+/// The table of inbox `name`, looked up without locking it (None if it has none).
+pub fn relid(name: &str) -> Option<pg_sys::Oid> {
+    Some(relation_oid(name)).filter(|oid| *oid != pg_sys::InvalidOid)
+}
+
 fn relation_oid(name: &str) -> pg_sys::Oid {
     let rel = std::ffi::CString::new(table_name(name)).expect("validated names have no NUL");
     unsafe { pg_sys::get_relname_relid(rel.as_ptr(), schema_oid()) }
@@ -262,6 +267,28 @@ pub fn open(name: &str, access: Access) -> Rc<Inbox> {
             return inbox;
         }
     }
+}
+
+/// Runs `f` with the rights of the inbox table's owner, as a security-restricted operation, the way VACUUM and
+/// autovacuum do: the background worker is a superuser, and a trigger or rule the owner put on the table must not
+/// run with superuser rights.
+pub fn as_owner<R>(relid: pg_sys::Oid, f: impl FnOnce() -> R) -> R {
+    let owner = Spi::get_one_with_args::<pg_sys::Oid>(
+        "SELECT relowner FROM pg_catalog.pg_class WHERE oid OPERATOR(pg_catalog.=) $1",
+        &[relid.into()],
+    )
+    .ok()
+    .flatten()
+    .unwrap_or_else(|| internal("finding an inbox table's owner", "no such table"));
+    let (mut user, mut context) = (pg_sys::InvalidOid, 0);
+    unsafe {
+        pg_sys::GetUserIdAndSecContext(&mut user, &mut context);
+        pg_sys::SetUserIdAndSecContext(owner, context | pg_sys::SECURITY_RESTRICTED_OPERATION as i32);
+    }
+    // On an ERROR, aborting the transaction restores the user, as it does for VACUUM.
+    let result = f();
+    unsafe { pg_sys::SetUserIdAndSecContext(user, context) };
+    result
 }
 
 /// Creates the inbox's table and registers it. The table is an ordinary (non-extension) table so pg_dump keeps its

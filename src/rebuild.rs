@@ -20,35 +20,41 @@ pub struct Rebuilt {
 pub fn run(rotate: bool) -> Option<Rebuilt> {
     let guard = filter::try_begin_rebuild()?;
     let target = guard.target(rotate);
+    // Everything from here reads through a snapshot taken now, after the wait in `target`: the caller's snapshot
+    // (taken before it) would miss rows committed meanwhile.
+    unsafe { pg_sys::PushActiveSnapshot(pg_sys::GetLatestSnapshot()) };
     let inboxes: Vec<(String, pg_sys::Oid)> = inbox::all_names()
         .into_iter()
-        .map(|name| {
-            let relid = inbox::open(&name, Access::Read).relid;
-            (name, relid)
-        })
+        .filter_map(|name| inbox::relid(&name).map(|relid| (name, relid)))
         .collect();
-    let wanted: Vec<pg_sys::Oid> = if rotate {
-        inboxes.iter().map(|(_, relid)| *relid).collect()
-    } else {
-        filter::untrusted(&inboxes.iter().map(|(_, relid)| *relid).collect::<Vec<_>>())
-    };
+    let relids: Vec<pg_sys::Oid> = inboxes.iter().map(|(_, relid)| *relid).collect();
+    let wanted = if rotate { relids } else { filter::untrusted(&relids) };
     let mut done = Rebuilt { inboxes: 0, keys: 0 };
     for (name, relid) in inboxes.iter().filter(|(_, relid)| wanted.contains(relid)) {
         done.keys += load_inbox(&guard, target, name, *relid);
         done.inboxes += 1;
     }
+    unsafe { pg_sys::PopActiveSnapshot() };
     guard.finish(target);
     Some(done)
 }
 
+/// Loads every row of one inbox (expired ones too: they cost bits, not correctness). The inbox is trusted only if
+/// its filter trigger is in place and enabled: a restore creates the trigger after copying the rows, and rows
+/// copied before it existed are only covered once a load runs after it.
 fn load_inbox(guard: &RebuildGuard, target: usize, name: &str, relid: pg_sys::Oid) -> i64 {
     let inbox = inbox::open(name, Access::Read);
     let ns = crate::shmem::namespace(relid);
-    let query = format!(
-        "SELECT id FROM {} WHERE expires_at OPERATOR(pg_catalog.>) pg_catalog.clock_timestamp()",
-        inbox.table
-    );
-    let keys = Spi::connect(|client| {
+    let guarded = Spi::get_one_with_args::<bool>(
+        "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_trigger WHERE tgrelid OPERATOR(pg_catalog.=) $1 \
+         AND tgname OPERATOR(pg_catalog.=) 'dedup_filter' AND tgenabled OPERATOR(pg_catalog.=) 'A')",
+        &[relid.into()],
+    )
+    .ok()
+    .flatten()
+    .unwrap_or(false);
+    let query = format!("SELECT id FROM {}", inbox.table);
+    let keys = inbox::as_owner(relid, || Spi::connect(|client| {
         let mut cursor = client.try_open_cursor(query.as_str(), &[]).unwrap_or_else(|e| internal("scanning an inbox", e));
         let mut keys = 0;
         loop {
@@ -62,9 +68,13 @@ fn load_inbox(guard: &RebuildGuard, target: usize, name: &str, relid: pg_sys::Oi
                     keys += 1;
                 }
             }
+            // Each fetch's rows live until the SPI connection ends unless freed: free them batch by batch.
+            unsafe { pg_sys::SPI_freetuptable(pg_sys::SPI_tuptable) };
         }
-    });
-    guard.loaded(target, ns);
+    }));
+    if guarded {
+        guard.loaded(target, ns);
+    }
     keys
 }
 

@@ -251,7 +251,7 @@ fn purge_cycle(slot: &WorkerSlot) {
             }
             let batch = in_transaction("purging a batch", || {
                 let inbox = inbox::open(name, Access::Delete);
-                purge::purge_batch(&inbox, statement_now(), limit)
+                inbox::as_owner(inbox.relid, || purge::purge_batch(&inbox, statement_now(), limit))
             });
             let Some(deleted) = batch else { break };
             total += deleted;
@@ -297,7 +297,9 @@ fn record_backlog(name: &str, capped: bool) {
 /// Loads inboxes the active filter generation does not cover; rotates when expired marks have pushed the measured
 /// false-positive rate above target.
 fn look_after_filter() {
-    let relids: Vec<pg_sys::Oid> = inbox::all_names().iter().map(|name| inbox::open(name, Access::Read).relid).collect();
+    // No inbox locks here: a rotation waits for running transactions, and holding a lock a DDL statement waits
+    // for, while that statement blocks a transaction we wait for, would deadlock.
+    let relids: Vec<pg_sys::Oid> = inbox::all_names().iter().filter_map(|name| inbox::relid(name)).collect();
     if !filter::untrusted(&relids).is_empty() {
         if let Some(done) = rebuild::run(false) {
             log!("pg_dedup worker: loaded {} marks of {} inbox(es) into the Bloom filter", done.keys, done.inboxes);

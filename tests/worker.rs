@@ -180,3 +180,37 @@ fn an_error_in_a_batch_is_logged_and_the_next_cycle_goes_on() {
     c.batch_execute("DROP TRIGGER refuse ON dedup.inbox_default").unwrap();
     eventually("the purge goes on once the error is gone", || count(&mut c, "dedup.inbox_default") == 0);
 }
+
+#[test]
+fn an_inbox_owner_cannot_borrow_the_workers_superuser_rights() {
+    let cluster = preloaded("purge_owner", &[]);
+    let mut admin = cluster.fresh_db("purge_owner");
+    admin
+        .batch_execute(
+            "DROP ROLE IF EXISTS inbox_owner; CREATE ROLE inbox_owner LOGIN;
+             GRANT USAGE, CREATE ON SCHEMA dedup TO inbox_owner;
+             GRANT SELECT, INSERT, DELETE ON dedup.inbox_registry TO inbox_owner;
+             GRANT EXECUTE ON FUNCTION dedup.create_inbox(text, interval), dedup.inbox_filter_trigger(),
+                                       dedup.mark_many(text[], interval, text) TO inbox_owner;",
+        )
+        .unwrap();
+    let mut owner = cluster.connect_as("purge_owner", "inbox_owner");
+    // The owner's trigger tries to make the owner a superuser whenever a row of its inbox is deleted.
+    owner
+        .batch_execute(
+            "SELECT dedup.create_inbox('mine');
+             CREATE FUNCTION dedup.escalate() RETURNS trigger LANGUAGE plpgsql AS
+               $$ BEGIN ALTER ROLE inbox_owner SUPERUSER; RETURN OLD; END $$;
+             CREATE TRIGGER escalate AFTER DELETE ON dedup.inbox_mine FOR EACH ROW EXECUTE FUNCTION dedup.escalate();
+             SELECT dedup.mark_many(ARRAY['a', 'b'], '1 second', 'mine');",
+        )
+        .unwrap();
+    let cycles = |c: &mut Client| c.query_one("SELECT coalesce(purge_cycles, 0) FROM dedup.stats LIMIT 1", &[]).unwrap().get::<_, i64>(0);
+    wait_until_expired(&mut admin, "dedup.inbox_mine", &["a", "b"]);
+    let before = cycles(&mut admin);
+    eventually("the worker tried to purge the owner's inbox", || cycles(&mut admin) >= before + 2);
+    let superuser: bool =
+        admin.query_one("SELECT rolsuper FROM pg_roles WHERE rolname = 'inbox_owner'", &[]).unwrap().get(0);
+    assert!(!superuser, "the owner's trigger ran with the worker's superuser rights");
+    assert_eq!(count(&mut admin, "dedup.inbox_mine"), 2, "the purge failed in the owner's trigger, as the owner");
+}

@@ -64,11 +64,13 @@ impl<'a> Filter<'a> {
         self.block(hash).iter().zip(Self::masks(hash)).all(|(word, mask)| word.load(Ordering::Acquire) & mask == mask)
     }
 
+    /// Zeroes every word. Each word is swapped (read and written), not just overwritten: whoever set bits that the
+    /// clear wipes out did so before the clear in a way the clearing thread observes, so everything that writer did
+    /// before setting them (in pg_dedup: taking a transaction id) is visible to the clearing thread afterwards.
     pub fn clear(&self) {
         for word in self.words {
-            word.store(0, Ordering::Relaxed);
+            word.swap(0, Ordering::AcqRel);
         }
-        std::sync::atomic::fence(Ordering::SeqCst);
     }
 
     /// (fraction of bits set, expected false-positive rate of a random absent key), from `sample` blocks spread
