@@ -13,9 +13,10 @@
 //!   is trusted: every call goes to the index until the background worker (or `dedup.bloom_rebuild()`) has loaded
 //!   the inbox. A hot standby never trusts the filter (its rows arrive by WAL replay, past the trigger).
 //! - Expiry: marks expire but bits cannot be removed. When the active generation's measured false-positive rate
-//!   drifts above target, a rotation clears the other generation, waits for every transaction that was running
-//!   (their keys may have gone into the cleared memory), reloads the live marks of every inbox, and makes it
-//!   active. Inboxes the rotation did not load (other databases) fall back to the index until loaded.
+//!   drifts above target, a rotation clears the other generation, waits for every transaction holding a
+//!   transaction id (the trigger takes one before setting bits, so these are all that may have set bits in the
+//!   cleared memory), reloads every inbox through a snapshot taken after that wait, and makes it active. Inboxes
+//!   the rotation did not load (other databases) fall back to the index until loaded.
 
 use crate::guc;
 use crate::shmem::{namespace, region, Header, COUNTERS};
