@@ -273,13 +273,16 @@ pub fn open(name: &str, access: Access) -> Rc<Inbox> {
 /// autovacuum do: the background worker is a superuser, and a trigger or rule the owner put on the table must not
 /// run with superuser rights.
 pub fn as_owner<R>(relid: pg_sys::Oid, f: impl FnOnce() -> R) -> R {
-    let owner = Spi::get_one_with_args::<pg_sys::Oid>(
-        "SELECT relowner FROM pg_catalog.pg_class WHERE oid OPERATOR(pg_catalog.=) $1",
-        &[relid.into()],
-    )
-    .ok()
-    .flatten()
-    .unwrap_or_else(|| internal("finding an inbox table's owner", "no such table"));
+    let owner = unsafe {
+        let tuple = pg_sys::SearchSysCache1(pg_sys::SysCacheIdentifier::RELOID as i32, relid.into_datum().unwrap());
+        if tuple.is_null() {
+            internal("finding an inbox table's owner", "no such table")
+        }
+        let data = (*tuple).t_data;
+        let owner = (*((data as *const u8).add((*data).t_hoff as usize) as *const pg_sys::FormData_pg_class)).relowner;
+        pg_sys::ReleaseSysCache(tuple);
+        owner
+    };
     let (mut user, mut context) = (pg_sys::InvalidOid, 0);
     unsafe {
         pg_sys::GetUserIdAndSecContext(&mut user, &mut context);

@@ -1,44 +1,68 @@
 //! Deleting expired marks in short batches, found through the btree on `expires_at`, so a batch costs the same
 //! whatever the table size. A batch never waits for a row another transaction holds (a mark() renewing it wins):
 //! it first tries a plain DELETE of up to `limit` expired rows — no row locks, the cheapest purge there is — under
-//! a 1 ms lock_timeout, inside a subtransaction; if some row is held, that attempt is rolled back and the batch is
-//! redone with `FOR UPDATE SKIP LOCKED`, which passes over held rows. `dedup.purge()` runs batches in the caller's
-//! transaction; the background worker runs each batch in a transaction of its own.
+//! a 1 ms lock_timeout; if some row is held, that attempt fails and is undone, and the batch is redone with
+//! `FOR UPDATE SKIP LOCKED`, which passes over held rows. The background worker runs each batch in a transaction of
+//! its own, so undoing a failed attempt is rolling back that transaction; `dedup.purge()` runs batches in the
+//! caller's transaction and wraps each attempt in a subtransaction instead.
 
 use crate::claim::statement_now;
 use crate::inbox::{Inbox, Stmt};
 use crate::shmem::{self, Counter};
 use pgrx::prelude::*;
+use std::ffi::{CStr, CString};
 
 /// Rows per batch for `dedup.purge()` (the worker uses `dedup.purge_batch_size`).
 pub const BATCH_SIZE: i64 = 10_000;
 
 /// How long the lock-free attempt may wait for a held row before the batch switches to skipping held rows.
-const HELD_ROW_PATIENCE: &str = "1ms";
+const HELD_ROW_PATIENCE: &CStr = c"1ms";
 
-/// Deletes up to `limit` marks of `inbox` that expired before `now`; returns how many.
-pub fn purge_batch(inbox: &Inbox, now: TimestampWithTimeZone, limit: i64) -> i64 {
+/// How a batch treats rows another transaction holds.
+#[derive(Clone, Copy)]
+pub enum HeldRows {
+    /// Plain DELETE, waiting at most `HELD_ROW_PATIENCE` for a held row, then failing with lock_not_available.
+    WaitBriefly,
+    /// `FOR UPDATE SKIP LOCKED`: passes over held rows, at the price of a row lock per purged row.
+    Skip,
+}
+
+/// Deletes up to `limit` marks of `inbox` that expired before `now`; returns how many. With
+/// `HeldRows::WaitBriefly` it may raise lock_not_available, and the caller undoes it and retries with `Skip`.
+pub fn purge_batch(inbox: &Inbox, now: TimestampWithTimeZone, limit: i64, held: HeldRows) -> i64 {
     let run = |stmt| Spi::connect(|client| inbox.run(client, stmt, &[now.into(), limit.into()]).len()) as i64;
-    let deleted = in_subtransaction_unless_blocked(|| {
-        let previous = set_lock_timeout(HELD_ROW_PATIENCE);
-        let deleted = run(Stmt::PurgeBatchUnlocked);
-        set_lock_timeout(&previous);
-        deleted
-    })
-    .unwrap_or_else(|| run(Stmt::PurgeBatch));
+    let deleted = match held {
+        HeldRows::WaitBriefly => {
+            let previous = set_lock_timeout(HELD_ROW_PATIENCE);
+            let deleted = run(Stmt::PurgeBatchUnlocked);
+            set_lock_timeout(&previous);
+            deleted
+        }
+        HeldRows::Skip => run(Stmt::PurgeBatch),
+    };
     shmem::count(shmem::namespace(inbox.relid), Counter::Purged, deleted as u64);
     deleted
 }
 
-/// Sets lock_timeout for the rest of the transaction (or subtransaction); returns the previous value.
-fn set_lock_timeout(value: &str) -> String {
-    Spi::get_one_with_args::<String>(
-        "SELECT pg_catalog.current_setting('lock_timeout') FROM pg_catalog.set_config('lock_timeout', $1, true)",
-        &[value.into()],
-    )
-    .ok()
-    .flatten()
-    .unwrap_or_else(|| "0".to_owned())
+/// One batch inside the caller's transaction: the quick attempt in a subtransaction, then skipping held rows.
+fn purge_batch_in_place(inbox: &Inbox, now: TimestampWithTimeZone, limit: i64) -> i64 {
+    in_subtransaction_unless_blocked(|| purge_batch(inbox, now, limit, HeldRows::WaitBriefly))
+        .unwrap_or_else(|| purge_batch(inbox, now, limit, HeldRows::Skip))
+}
+
+/// Sets lock_timeout (undone with the (sub)transaction if it fails); returns the previous value. A C call, not a
+/// SQL statement: it runs twice per batch.
+fn set_lock_timeout(value: &CStr) -> CString {
+    unsafe {
+        let previous = CStr::from_ptr(pg_sys::GetConfigOption(c"lock_timeout".as_ptr(), false, false)).to_owned();
+        pg_sys::SetConfigOption(
+            c"lock_timeout".as_ptr(),
+            value.as_ptr(),
+            pg_sys::GucContext::PGC_USERSET,
+            pg_sys::GucSource::PGC_S_SESSION,
+        );
+        previous
+    }
 }
 
 /// Runs `body` in a subtransaction, the way a PL/pgSQL exception block does. If it fails on a lock wait
@@ -85,7 +109,7 @@ pub fn purge_inbox(inbox: &Inbox, limit: Option<i64>) -> i64 {
         if want <= 0 {
             return deleted;
         }
-        let batch = purge_batch(inbox, now, want);
+        let batch = purge_batch_in_place(inbox, now, want);
         deleted += batch;
         if batch < want {
             return deleted;

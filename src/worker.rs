@@ -8,6 +8,7 @@
 use crate::claim::statement_now;
 use crate::inbox::{self, Access};
 use crate::shmem::{self, WorkerSlot};
+use crate::purge::HeldRows;
 use crate::{filter, guc, purge, rebuild};
 use pgrx::bgworkers::{
     BackgroundWorker, BackgroundWorkerBuilder, BackgroundWorkerStatus, BgWorkerStartTime, DynamicBackgroundWorker,
@@ -39,9 +40,9 @@ pub fn init_preloaded() {
         .load();
 }
 
-/// Runs `body` in a transaction of its own. An ERROR is logged (with `what`), the transaction rolled back, and
-/// None returned, so one failing step never takes the worker down.
-fn in_transaction<R>(what: &str, body: impl FnOnce() -> R + std::panic::UnwindSafe) -> Option<R> {
+/// Runs `body` in a transaction of its own. An ERROR rolls the transaction back and comes back as Err (its
+/// SQLSTATE and message), so one failing step never takes the worker down.
+fn try_transaction<R>(body: impl FnOnce() -> R + std::panic::UnwindSafe) -> Result<R, (PgSqlErrorCode, String)> {
     let context = unsafe { pg_sys::CurrentMemoryContext };
     unsafe {
         pg_sys::SetCurrentStatementStartTimestamp();
@@ -54,21 +55,26 @@ fn in_transaction<R>(what: &str, body: impl FnOnce() -> R + std::panic::UnwindSa
             pg_sys::PopActiveSnapshot();
             pg_sys::CommitTransactionCommand();
         }
-        Some(result)
+        Ok(result)
     })
     .catch_others(|caught| {
-        let message = match &caught {
-            pg_sys::panic::CaughtError::PostgresError(e) | pg_sys::panic::CaughtError::ErrorReport(e) => e.message().to_owned(),
-            pg_sys::panic::CaughtError::RustPanic { ereport, .. } => ereport.message().to_owned(),
+        let report = match &caught {
+            pg_sys::panic::CaughtError::PostgresError(e) | pg_sys::panic::CaughtError::ErrorReport(e) => e,
+            pg_sys::panic::CaughtError::RustPanic { ereport, .. } => ereport,
         };
-        log!("pg_dedup worker: {what} failed: {message}");
+        let error = (report.sql_error_code(), report.message().to_owned());
         unsafe {
             pg_sys::AbortCurrentTransaction();
             pg_sys::MemoryContextSwitchTo(context);
         }
-        None
+        Err(error)
     })
     .execute()
+}
+
+/// `try_transaction`, logging an ERROR (with `what`) and turning it into None.
+fn in_transaction<R>(what: &str, body: impl FnOnce() -> R + std::panic::UnwindSafe) -> Option<R> {
+    try_transaction(body).map_err(|(_, message)| log!("pg_dedup worker: {what} failed: {message}")).ok()
 }
 
 fn configured_databases() -> Vec<String> {
@@ -249,11 +255,22 @@ fn purge_cycle(slot: &WorkerSlot) {
                 capped = true;
                 break;
             }
-            let batch = in_transaction("purging a batch", || {
-                let inbox = inbox::open(name, Access::Delete);
-                inbox::as_owner(inbox.relid, || purge::purge_batch(&inbox, statement_now(), limit))
-            });
-            let Some(deleted) = batch else { break };
+            let batch = |held| {
+                move || {
+                    let inbox = inbox::open(name, Access::Delete);
+                    inbox::as_owner(inbox.relid, || purge::purge_batch(&inbox, statement_now(), limit, held))
+                }
+            };
+            // The quick attempt; if it met a row another transaction holds, it was rolled back: skip held rows.
+            let deleted = match try_transaction(batch(HeldRows::WaitBriefly)) {
+                Ok(deleted) => Some(deleted),
+                Err((PgSqlErrorCode::ERRCODE_LOCK_NOT_AVAILABLE, _)) => in_transaction("purging a batch", batch(HeldRows::Skip)),
+                Err((_, message)) => {
+                    log!("pg_dedup worker: purging a batch failed: {message}");
+                    None
+                }
+            };
+            let Some(deleted) = deleted else { break };
             total += deleted;
             if deleted < limit {
                 break;

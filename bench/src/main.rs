@@ -83,7 +83,7 @@ fn main() {
     ]);
     let mut c = cluster.fresh_db("bench");
     let mut rows = filter::scenarios(&mut c, &scale);
-    rows.extend(expiry::scenarios(&cluster, &mut c, &scale));
+    rows.extend(expiry::scenarios(&mut c, &scale));
 
     let version: String = c.query_one("SHOW server_version", &[]).unwrap().get(0);
     println!(
