@@ -175,8 +175,14 @@ fn start_worker(name: &str, oid: pg_sys::Oid) -> Result<DynamicBackgroundWorker,
         .load_dynamic()
 }
 
-fn alive(pid: i32) -> bool {
-    pid != 0 && unsafe { libc::kill(pid, 0) } == 0
+/// Is `pid` a live server process connected to database `db` (the worker recorded in a slot)? Looking in the
+/// process array rather than asking the kernel: a pid the kernel reused for something else does not count.
+fn serving(pid: i32, db: pg_sys::Oid) -> bool {
+    if pid == 0 {
+        return false;
+    }
+    let proc = unsafe { pg_sys::BackendPidGetProc(pid) };
+    !proc.is_null() && unsafe { (*proc).databaseId } == db
 }
 
 #[pg_guard]
@@ -191,7 +197,7 @@ pub extern "C-unwind" fn pg_dedup_worker_main(arg: pg_sys::Datum) {
         return;
     };
     let previous = slot.pid.load(Ordering::Acquire);
-    if previous != me && alive(previous) {
+    if previous != me && serving(previous, db) {
         return; // A worker for this database is running already (started by an earlier launcher).
     }
     slot.pid.store(me, Ordering::Release);
