@@ -1,7 +1,6 @@
 //! Where and by whom pg_dedup may be used: read-only transactions, hot standbys, privileges, search_path.
 
 use pg_dedup_tests::*;
-use std::time::{Duration, Instant};
 
 #[test]
 fn read_only_transactions_can_check_but_not_mark() {
@@ -28,11 +27,9 @@ fn hot_standby_sees_replicated_marks_and_refuses_to_mark() {
     let standby = primary.standby();
     p.batch_execute("SELECT dedup.mark('after-backup')").unwrap();
     let mut s = standby.connect("standby");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !s.query_one("SELECT dedup.seen('after-backup')", &[]).unwrap().get::<_, bool>(0) {
-        assert!(Instant::now() < deadline, "the standby never saw the replicated mark");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    eventually("the standby sees the replicated mark", || {
+        s.query_one("SELECT dedup.seen('after-backup')", &[]).unwrap().get::<_, bool>(0)
+    });
     assert!(s.query_one("SELECT dedup.seen('before-backup')", &[]).unwrap().get::<_, bool>(0));
     assert!(!s.query_one("SELECT dedup.seen('never')", &[]).unwrap().get::<_, bool>(0));
     assert_dedup_error(s.query_one("SELECT dedup.mark('on-standby')", &[]), "25006");

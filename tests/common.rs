@@ -59,40 +59,41 @@ pub fn backend_pid(client: &mut Client) -> i32 {
     client.query_one("SELECT pg_backend_pid()", &[]).expect("pid").get(0)
 }
 
+/// Polls `done` until it holds; fails the test after a minute. Tests wait for outcomes, never for fixed times.
+pub fn eventually(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A server with pg_dedup preloaded, its background workers looking after `worker_databases`, plus `extra` lines.
+pub fn preloaded(worker_databases: &str, extra: &[&str]) -> Cluster {
+    let workers = format!("dedup.database = '{worker_databases}'");
+    let mut conf = vec!["shared_preload_libraries = 'pg_dedup'", workers.as_str()];
+    conf.extend_from_slice(extra);
+    Cluster::start(&conf)
+}
+
 /// Waits until backend `pid` is blocked on a lock (a heavyweight lock wait, as seen in pg_stat_activity). This is
 /// how a test proves that a concurrent mark() *waits*, without guessing at timings.
 pub fn wait_until_blocked(observer: &mut Client, pid: i32) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
+    eventually(&format!("backend {pid} blocks on a lock"), || {
         let row = observer
             .query_one("SELECT coalesce(wait_event_type, '') FROM pg_stat_activity WHERE pid = $1", &[&pid])
             .expect("pg_stat_activity");
-        if row.get::<_, String>(0) == "Lock" {
-            return;
-        }
-        assert!(Instant::now() < deadline, "backend {pid} never blocked on a lock");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+        row.get::<_, String>(0) == "Lock"
+    });
 }
 
 /// Sleeps until the server clock has passed `expires_at` of the given ids in `table`: they are expired.
 pub fn wait_until_expired(client: &mut Client, table: &str, ids: &[&str]) {
     let ids: Vec<String> = ids.iter().map(|s| s.to_string()).collect();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let live: i64 = client
-            .query_one(
-                &format!("SELECT count(*) FROM {table} WHERE id = ANY($1) AND expires_at > clock_timestamp()"),
-                &[&ids],
-            )
-            .expect("count live")
-            .get(0);
-        if live == 0 {
-            return;
-        }
-        assert!(Instant::now() < deadline, "marks in {table} never expired");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let sql = format!("SELECT count(*) FROM {table} WHERE id = ANY($1) AND expires_at > clock_timestamp()");
+    eventually(&format!("the marks in {table} expire"), || {
+        client.query_one(&sql, &[&ids]).expect("count live").get::<_, i64>(0) == 0
+    });
 }
 
 /// Copies database `from` into a new database `to` of the same cluster with pg_dump and psql, as an operator would.

@@ -4,14 +4,13 @@
 
 use pg_dedup_harness::postgres::Client;
 use pg_dedup_tests::*;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// A preloaded cluster whose worker looks after database `worker_db`, and a fresh database `db` in it.
-fn preloaded(db: &str, worker_db: &str, extra: &[&str]) -> (Cluster, Client) {
-    let worker = format!("dedup.database = '{worker_db}'");
-    let mut conf = vec!["shared_preload_libraries = 'pg_dedup'", worker.as_str(), "dedup.bloom_capacity = 100000"];
+fn preloaded_db(db: &str, worker_db: &str, extra: &[&str]) -> (Cluster, Client) {
+    let mut conf = vec!["dedup.bloom_capacity = 100000"];
     conf.extend_from_slice(extra);
-    let cluster = Cluster::start(&conf);
+    let cluster = preloaded(worker_db, &conf);
     let client = cluster.fresh_db(db);
     (cluster, client)
 }
@@ -21,11 +20,7 @@ fn trusted(c: &mut Client, inbox: &str) -> bool {
 }
 
 fn wait_trusted(c: &mut Client, inbox: &str) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !trusted(c, inbox) {
-        assert!(Instant::now() < deadline, "the worker never loaded inbox {inbox}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    eventually(&format!("the worker loads inbox {inbox}"), || trusted(c, inbox));
 }
 
 fn rebuild(c: &mut Client) {
@@ -57,7 +52,7 @@ fn assert_all_marked(c: &mut Client, ids: &[String], inbox: &str) {
 
 #[test]
 fn the_filter_answers_certainly_new_and_never_hides_a_mark() {
-    let (_cluster, mut c) = preloaded("bloom_basic", "bloom_basic", &[]);
+    let (_cluster, mut c) = preloaded_db("bloom_basic", "bloom_basic", &[]);
     let marked = ids("m", 3000);
     c.query("SELECT * FROM dedup.mark_many($1)", &[&marked]).unwrap();
     wait_trusted(&mut c, "default");
@@ -79,7 +74,7 @@ fn the_filter_answers_certainly_new_and_never_hides_a_mark() {
 #[test]
 fn restarts_and_crashes_bypass_the_filter_until_it_is_reloaded() {
     // The worker looks after another database, so this one is only loaded when the test says so.
-    let (cluster, mut c) = preloaded("bloom_restart", "postgres", &[]);
+    let (cluster, mut c) = preloaded_db("bloom_restart", "postgres", &[]);
     let marked = ids("r", 2000);
     c.query("SELECT * FROM dedup.mark_many($1)", &[&marked]).unwrap();
     rebuild(&mut c);
@@ -102,7 +97,7 @@ fn restarts_and_crashes_bypass_the_filter_until_it_is_reloaded() {
 
 #[test]
 fn the_worker_reloads_the_filter_after_a_restart() {
-    let (cluster, mut c) = preloaded("bloom_worker", "bloom_worker", &[]);
+    let (cluster, mut c) = preloaded_db("bloom_worker", "bloom_worker", &[]);
     let marked = ids("w", 2000);
     c.query("SELECT * FROM dedup.mark_many($1)", &[&marked]).unwrap();
     cluster.restart();
@@ -113,7 +108,7 @@ fn the_worker_reloads_the_filter_after_a_restart() {
 
 #[test]
 fn rows_written_without_mark_reach_the_filter() {
-    let (_cluster, mut c) = preloaded("bloom_foreign", "bloom_foreign", &[]);
+    let (_cluster, mut c) = preloaded_db("bloom_foreign", "bloom_foreign", &[]);
     c.batch_execute("SELECT dedup.create_inbox('other')").unwrap();
     wait_trusted(&mut c, "default");
     assert!(trusted(&mut c, "other"), "a new inbox is trusted at once");
@@ -136,7 +131,7 @@ fn rows_written_without_mark_reach_the_filter() {
 
 #[test]
 fn rollbacks_forget_truncate_and_recreation_only_cause_false_positives() {
-    let (_cluster, mut c) = preloaded("bloom_churn", "bloom_churn", &[]);
+    let (_cluster, mut c) = preloaded_db("bloom_churn", "bloom_churn", &[]);
     wait_trusted(&mut c, "default");
     c.batch_execute("BEGIN; SELECT dedup.mark('rolled-back'); ROLLBACK").unwrap();
     assert!(!c.query_one("SELECT dedup.seen('rolled-back')", &[]).unwrap().get::<_, bool>(0));
@@ -161,7 +156,7 @@ fn rollbacks_forget_truncate_and_recreation_only_cause_false_positives() {
 
 #[test]
 fn restored_inboxes_are_not_trusted_until_loaded() {
-    let (cluster, mut c) = preloaded("bloom_dump_src", "postgres", &[]);
+    let (cluster, mut c) = preloaded_db("bloom_dump_src", "postgres", &[]);
     c.batch_execute("SELECT dedup.create_inbox('orders')").unwrap();
     let marked = ids("o", 1000);
     c.query("SELECT * FROM dedup.mark_many($1, NULL, 'orders')", &[&marked]).unwrap();
@@ -176,18 +171,16 @@ fn restored_inboxes_are_not_trusted_until_loaded() {
 
 #[test]
 fn a_hot_standby_never_trusts_the_filter_and_promotion_keeps_every_mark() {
-    let (primary, mut p) = preloaded("bloom_standby", "bloom_standby", &[]);
+    let (primary, mut p) = preloaded_db("bloom_standby", "bloom_standby", &[]);
     let before = ids("before", 1000);
     p.query("SELECT * FROM dedup.mark_many($1)", &[&before]).unwrap();
     let standby = primary.standby();
     let after = ids("after", 1000);
     p.query("SELECT * FROM dedup.mark_many($1)", &[&after]).unwrap();
     let mut s = standby.connect("bloom_standby");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !s.query_one("SELECT dedup.seen('after-999')", &[]).unwrap().get::<_, bool>(0) {
-        assert!(Instant::now() < deadline, "the standby never replayed the marks");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    eventually("the standby replays the marks", || {
+        s.query_one("SELECT dedup.seen('after-999')", &[]).unwrap().get::<_, bool>(0)
+    });
     let state: String = s.query_one("SELECT filter_state FROM dedup.stats", &[]).unwrap().get(0);
     assert_eq!(state, "off: hot standby");
     let seen: i64 = s
@@ -207,8 +200,8 @@ fn a_hot_standby_never_trusts_the_filter_and_promotion_keeps_every_mark() {
 
 #[test]
 fn logically_replicated_rows_reach_the_subscribers_filter() {
-    let (publisher, mut p) = preloaded("bloom_pub", "postgres", &["wal_level = logical"]);
-    let (subscriber, mut s) = preloaded("bloom_sub", "bloom_sub", &[]);
+    let (publisher, mut p) = preloaded_db("bloom_pub", "postgres", &["wal_level = logical"]);
+    let (_subscriber, mut s) = preloaded_db("bloom_sub", "bloom_sub", &[]);
     let initial = ids("initial", 500);
     p.query("SELECT * FROM dedup.mark_many($1)", &[&initial]).unwrap();
     p.batch_execute("CREATE PUBLICATION marks FOR TABLE dedup.inbox_default").unwrap();
@@ -220,11 +213,7 @@ fn logically_replicated_rows_reach_the_subscribers_filter() {
     .unwrap();
     let streamed = ids("streamed", 500);
     p.query("SELECT * FROM dedup.mark_many($1)", &[&streamed]).unwrap();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while count(&mut s, "dedup.inbox_default") < 1000 {
-        assert!(Instant::now() < deadline, "replication never caught up:\n{}", subscriber.log());
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    eventually("replication catches up", || count(&mut s, "dedup.inbox_default") >= 1000);
     assert!(trusted(&mut s, "default"), "replicated rows passed the trigger, so the filter stays trusted");
     assert_all_marked(&mut s, &[initial, streamed].concat(), "default");
     s.batch_execute("ALTER SUBSCRIPTION marks DISABLE; ALTER SUBSCRIPTION marks SET (slot_name = NONE)").unwrap();
@@ -234,7 +223,7 @@ fn logically_replicated_rows_reach_the_subscribers_filter() {
 
 #[test]
 fn concurrent_marks_with_the_filter_claim_each_id_once() {
-    let (cluster, mut c) = preloaded("bloom_race", "bloom_race", &[]);
+    let (cluster, mut c) = preloaded_db("bloom_race", "bloom_race", &[]);
     wait_trusted(&mut c, "default");
     let cluster = &cluster;
     let wins: Vec<String> = std::thread::scope(|s| {
@@ -262,7 +251,7 @@ fn concurrent_marks_with_the_filter_claim_each_id_once() {
 fn the_false_positive_rate_stays_at_target_over_many_ttl_cycles() {
     const CAPACITY: usize = 20_000;
     const TARGET: f64 = 0.01;
-    let (_cluster, mut c) = preloaded(
+    let (_cluster, mut c) = preloaded_db(
         "bloom_cycles",
         "bloom_cycles",
         &["dedup.bloom_capacity = 20000", "dedup.bloom_false_positive_rate = 0.01"],
@@ -277,15 +266,10 @@ fn the_false_positive_rate_stays_at_target_over_many_ttl_cycles() {
     let current = ids("current", live);
     c.query("SELECT * FROM dedup.mark_many($1, '1 hour')", &[&current]).unwrap();
     // Give the worker the chance to rotate (it checks every second); it must not need more than a few.
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
+    eventually("the worker brings the false-positive rate back to target", || {
         let estimated: f64 = c.query_one("SELECT filter_estimated_fpr FROM dedup.stats", &[]).unwrap().get(0);
-        if estimated <= 1.1 * TARGET && trusted(&mut c, "default") {
-            break;
-        }
-        assert!(Instant::now() < deadline, "the worker never brought the rate back: {estimated}");
-        std::thread::sleep(Duration::from_millis(200));
-    }
+        estimated <= 1.1 * TARGET && trusted(&mut c, "default")
+    });
     let rebuilds: i64 = c.query_one("SELECT filter_rebuilds FROM dedup.stats", &[]).unwrap().get(0);
     assert!(rebuilds >= 3, "expired marks should have forced rotations, saw {rebuilds}");
     let (lookups, certain, _) = counters(&mut c, "default");
@@ -306,7 +290,7 @@ fn the_false_positive_rate_stays_at_target_over_many_ttl_cycles() {
 fn marks_committed_while_the_filter_rotates_are_never_hidden() {
     // Marks whose transactions straddle a rotation (their keys may land in the generation being cleared) must be
     // in the new generation all the same. The worker looks elsewhere; this test rotates by hand, over and over.
-    let (cluster, mut c) = preloaded("bloom_rotation_race", "postgres", &[]);
+    let (cluster, mut c) = preloaded_db("bloom_rotation_race", "postgres", &[]);
     rebuild(&mut c);
     let stop = std::sync::atomic::AtomicBool::new(false);
     let cluster = &cluster;

@@ -4,21 +4,13 @@
 use pg_dedup_harness::postgres::Client;
 use pg_dedup_tests::*;
 use std::thread;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-fn preloaded(databases: &str, extra: &[&str]) -> Cluster {
-    let workers = format!("dedup.database = '{databases}'");
-    let mut conf = vec!["shared_preload_libraries = 'pg_dedup'", workers.as_str(), "dedup.purge_interval = '1s'"];
+/// A preloaded server whose workers purge every second.
+fn purging(databases: &str, extra: &[&str]) -> Cluster {
+    let mut conf = vec!["dedup.purge_interval = '1s'"];
     conf.extend_from_slice(extra);
-    Cluster::start(&conf)
-}
-
-fn eventually(what: &str, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !done() {
-        assert!(Instant::now() < deadline, "timed out waiting until {what}");
-        thread::sleep(Duration::from_millis(100));
-    }
+    preloaded(databases, &conf)
 }
 
 fn worker_pid(c: &mut Client, db: &str) -> Option<i32> {
@@ -38,7 +30,7 @@ fn expire_soon(c: &mut Client, prefix: &str, n: i32) {
 
 #[test]
 fn expired_marks_disappear_within_a_few_cycles_and_live_ones_stay() {
-    let cluster = preloaded("purge_basic", &["dedup.purge_batch_size = 100"]);
+    let cluster = purging("purge_basic", &["dedup.purge_batch_size = 100"]);
     let mut c = cluster.fresh_db("purge_basic");
     c.batch_execute("SELECT dedup.create_inbox('other')").unwrap();
     expire_soon(&mut c, "e", 1000);
@@ -95,7 +87,7 @@ fn a_mark_renewing_an_expired_id_wins_against_a_purge() {
 
 #[test]
 fn the_worker_comes_back_after_pg_terminate_backend() {
-    let cluster = preloaded("purge_terminate", &[]);
+    let cluster = purging("purge_terminate", &[]);
     let mut c = cluster.fresh_db("purge_terminate");
     let mut first = None;
     eventually("the worker starts", || {
@@ -118,7 +110,7 @@ fn the_worker_comes_back_after_pg_terminate_backend() {
 
 #[test]
 fn a_config_reload_changes_the_interval() {
-    let cluster = preloaded("purge_reload", &["dedup.purge_interval = '1h'"]);
+    let cluster = purging("purge_reload", &["dedup.purge_interval = '1h'"]);
     let mut c = cluster.fresh_db("purge_reload");
     eventually("the first cycle ran", || {
         c.query_one("SELECT coalesce(purge_cycles, 0) FROM dedup.stats", &[]).unwrap().get::<_, i64>(0) >= 1
@@ -134,7 +126,7 @@ fn a_config_reload_changes_the_interval() {
 
 #[test]
 fn missing_databases_and_extensions_are_waited_for_without_a_crash_loop() {
-    let cluster = preloaded("purge_later, purge_noext", &[]);
+    let cluster = purging("purge_later, purge_noext", &[]);
     let mut admin = cluster.connect("postgres");
     admin.batch_execute("CREATE DATABASE purge_noext").unwrap();
     let launcher = launcher_pid(&mut admin).expect("the launcher runs");
@@ -156,7 +148,7 @@ fn missing_databases_and_extensions_are_waited_for_without_a_crash_loop() {
 
 #[test]
 fn an_error_in_a_batch_is_logged_and_the_next_cycle_goes_on() {
-    let cluster = preloaded("purge_error", &[]);
+    let cluster = purging("purge_error", &[]);
     let mut c = cluster.fresh_db("purge_error");
     c.batch_execute(
         "CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION 'not now'; END $$;
@@ -183,7 +175,7 @@ fn an_error_in_a_batch_is_logged_and_the_next_cycle_goes_on() {
 
 #[test]
 fn an_inbox_owner_cannot_borrow_the_workers_superuser_rights() {
-    let cluster = preloaded("purge_owner", &[]);
+    let cluster = purging("purge_owner", &[]);
     let mut admin = cluster.fresh_db("purge_owner");
     admin
         .batch_execute(
