@@ -5,7 +5,7 @@
 
 use crate::errors::raise;
 use crate::filter::{self, Trusted};
-use crate::shmem::{self, Counter};
+use crate::shmem::Counter;
 use crate::inbox::{self, Access, Inbox};
 use crate::{claim, input, purge};
 use pgrx::prelude::*;
@@ -28,16 +28,15 @@ fn trusted_filter(inbox: &Inbox) -> Option<Trusted> {
         .set_hint("Add pg_dedup to shared_preload_libraries and restart the server to enable it.")
         .report(PgLogLevel::NOTICE);
     }
-    Trusted::for_inbox(shmem::namespace(inbox.relid))
+    Trusted::for_inbox(inbox.ns)
 }
 
 /// The ids the filter cannot rule out ("maybe"), all of them treated alike when there is no filter to ask.
 fn suspects<'a>(inbox: &Inbox, ids: &'a [String]) -> HashSet<&'a str> {
     let Some(filter) = trusted_filter(inbox) else { return HashSet::new() };
     let suspects: HashSet<&str> = ids.iter().map(String::as_str).filter(|id| filter.may_contain(id)).collect();
-    let ns = shmem::namespace(inbox.relid);
-    shmem::count(ns, Counter::Lookups, ids.len() as u64);
-    shmem::count(ns, Counter::CertainlyNew, (ids.len() - suspects.len()) as u64);
+    inbox.count(Counter::Lookups, ids.len() as u64);
+    inbox.count(Counter::CertainlyNew, (ids.len() - suspects.len()) as u64);
     suspects
 }
 
@@ -45,11 +44,10 @@ fn suspects<'a>(inbox: &Inbox, ids: &'a [String]) -> HashSet<&'a str> {
 fn claim_and_count(inbox: &Inbox, ids: &[String], ttl: Option<Interval>) -> HashSet<String> {
     let suspects = suspects(inbox, ids);
     let out = claim::claim(inbox, ids, &suspects, window_end(inbox, ttl));
-    let ns = shmem::namespace(inbox.relid);
-    shmem::count(ns, Counter::Marks, out.fresh.len() as u64);
-    shmem::count(ns, Counter::Duplicates, (ids.len() - out.fresh.len()) as u64);
-    shmem::count(ns, Counter::Renewals, out.renewals);
-    shmem::count(ns, Counter::FalsePositives, out.false_positives);
+    inbox.count(Counter::Marks, out.fresh.len() as u64);
+    inbox.count(Counter::Duplicates, (ids.len() - out.fresh.len()) as u64);
+    inbox.count(Counter::Renewals, out.renewals);
+    inbox.count(Counter::FalsePositives, out.false_positives);
     out.fresh
 }
 
@@ -116,16 +114,15 @@ fn mark_many(
 fn seen(id: Option<&str>, inbox: default!(Option<&str>, "'default'")) -> bool {
     let id = input::id(id);
     let inbox = inbox::open(input::inbox_name(inbox), Access::Read);
-    let ns = shmem::namespace(inbox.relid);
     let Some(filter) = trusted_filter(&inbox) else { return claim::seen(&inbox, id) };
-    shmem::count(ns, Counter::Lookups, 1);
+    inbox.count(Counter::Lookups, 1);
     if !filter.may_contain(id) {
-        shmem::count(ns, Counter::CertainlyNew, 1);
+        inbox.count(Counter::CertainlyNew, 1);
         return false;
     }
     let seen = claim::seen(&inbox, id);
     if !seen {
-        shmem::count(ns, Counter::FalsePositives, 1);
+        inbox.count(Counter::FalsePositives, 1);
     }
     seen
 }

@@ -8,6 +8,7 @@
 
 use crate::errors::{internal, raise};
 use crate::filter;
+use crate::shmem;
 use pgrx::prelude::*;
 use pgrx::spi::{OwnedPreparedStatement, SpiClient, SpiTupleTable};
 use pgrx::PgOid;
@@ -135,11 +136,30 @@ pub struct Inbox {
     /// Schema-qualified, quoted table name, ready to splice into SQL.
     pub table: String,
     pub default_ttl: Interval,
+    /// The inbox's key namespace in the shared filter (database and table).
+    pub ns: u64,
+    /// Its state and counters in shared memory (None without preloading, or when that table is full), looked up
+    /// once per backend rather than on every count.
+    entry: Option<&'static shmem::Entry>,
     stale: Cell<bool>,
     plans: [OnceCell<OwnedPreparedStatement>; STATEMENT_COUNT],
 }
 
 impl Inbox {
+    /// Adds `n` to one of the inbox's counters in `dedup.stats` (nothing without preloading).
+    pub fn count(&self, counter: shmem::Counter, n: u64) {
+        if let (Some(entry), true) = (self.entry, n > 0) {
+            entry.counters[counter as usize].fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// Records the expired marks left after a purge cycle (-1: unknown).
+    pub fn set_backlog(&self, backlog: i64) {
+        if let Some(entry) = self.entry {
+            entry.backlog.store(backlog, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
     /// Runs one of the inbox's statements through its cached plan (prepared on first use).
     pub fn run<'conn>(
         &self,
@@ -228,11 +248,14 @@ fn load(name: &str) -> Inbox {
             format!("Recreate it: SELECT dedup.drop_inbox('{name}'); SELECT dedup.create_inbox('{name}');"),
         )
     }
+    let ns = shmem::namespace(relid);
     Inbox {
         name: name.to_owned(),
         relid,
         table: qualified(name),
         default_ttl,
+        ns,
+        entry: shmem::region().and_then(|r| r.entry(ns, true)),
         stale: Cell::new(false),
         plans: Default::default(),
     }
@@ -341,7 +364,7 @@ pub fn create(name: &str, default_ttl: Interval) {
             .unwrap_or_else(|e| internal("registering the inbox", e));
     });
     // Empty, and every future row passes the trigger: the filter can answer for it at once.
-    filter::trust_new_inbox(crate::shmem::namespace(relation_oid(name)));
+    filter::trust_new_inbox(shmem::namespace(relation_oid(name)));
 }
 
 pub fn drop(name: &str) {

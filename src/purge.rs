@@ -8,7 +8,7 @@
 
 use crate::claim::statement_now;
 use crate::inbox::{Inbox, Stmt};
-use crate::shmem::{self, Counter};
+use crate::shmem::Counter;
 use pgrx::prelude::*;
 use std::ffi::{CStr, CString};
 
@@ -40,7 +40,7 @@ pub fn purge_batch(inbox: &Inbox, now: TimestampWithTimeZone, limit: i64, held: 
         }
         HeldRows::Skip => run(Stmt::PurgeBatch),
     };
-    shmem::count(shmem::namespace(inbox.relid), Counter::Purged, deleted as u64);
+    inbox.count(Counter::Purged, deleted as u64);
     deleted
 }
 

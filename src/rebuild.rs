@@ -44,7 +44,7 @@ pub fn run(rotate: bool) -> Option<Rebuilt> {
 /// copied before it existed are only covered once a load runs after it.
 fn load_inbox(guard: &RebuildGuard, target: usize, name: &str, relid: pg_sys::Oid) -> i64 {
     let inbox = inbox::open(name, Access::Read);
-    let ns = crate::shmem::namespace(relid);
+    let ns = inbox.ns;
     let guarded = Spi::get_one_with_args::<bool>(
         "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_trigger WHERE tgrelid OPERATOR(pg_catalog.=) $1 \
          AND tgname OPERATOR(pg_catalog.=) 'dedup_filter' AND tgenabled OPERATOR(pg_catalog.=) 'A')",

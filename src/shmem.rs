@@ -196,12 +196,3 @@ pub fn namespace(relid: pg_sys::Oid) -> u64 {
     let db = unsafe { pg_sys::MyDatabaseId };
     (u64::from(db.to_u32()) << 32) | u64::from(relid.to_u32())
 }
-
-/// Adds `n` to one of an inbox's counters (nothing without preloading).
-pub fn count(ns: u64, counter: Counter, n: u64) {
-    if n > 0 {
-        if let Some(e) = region().and_then(|h| h.entry(ns, true)) {
-            e.counters[counter as usize].fetch_add(n, Ordering::Relaxed);
-        }
-    }
-}

@@ -24,8 +24,7 @@ fn inbox_stats() -> TableIterator<
     let rows: Vec<_> = inbox::all_names()
         .into_iter()
         .map(|name| {
-            let relid = inbox::open(&name, Access::Read).relid;
-            match filter::inbox_figures(crate::shmem::namespace(relid)) {
+            match filter::inbox_figures(inbox::open(&name, Access::Read).ns) {
                 Some((c, backlog, trusted)) => {
                     let backlog = (backlog >= 0).then_some(backlog);
                     (name, Some(c[0]), Some(c[1]), Some(c[2]), Some(c[6]), backlog, Some(c[3]), Some(c[4]), Some(c[5]), trusted)

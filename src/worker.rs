@@ -311,9 +311,7 @@ fn record_backlog(name: &str, capped: bool) {
         } else {
             0
         };
-        if let Some(e) = shmem::region().and_then(|r| r.entry(shmem::namespace(inbox.relid), true)) {
-            e.backlog.store(backlog, Ordering::Relaxed);
-        }
+        inbox.set_backlog(backlog);
     });
 }
 
