@@ -3,7 +3,8 @@
 # When everything is in place it only checks and returns in a second or two.
 #
 # It installs:
-#   - Debian packages: PostgreSQL 15 server + headers, libclang (pgrx's bindgen), sudo, build tools;
+#   - Debian packages: PostgreSQL 15 server + headers, libclang (pgrx's bindgen), sudo, build tools, and Redis
+#     (server + redis-benchmark: `make bench` compares mark() with Redis `SET NX EX`);
 #   - cargo-pgrx 0.18.1 (0.19 needs a newer rustc than this machine has);
 #   - PostgreSQL 13 and 18 built from Debian *source* packages into $PG_DEDUP_CACHE (no Debian 12 binaries exist);
 #   - `cargo pgrx init` pointed at the three pg_configs.
@@ -20,7 +21,7 @@ log() { printf '[setup] %s\n' "$*" >&2; }
 as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 
 apt_packages=(postgresql-15 postgresql-server-dev-15 libclang-dev clang sudo build-essential pkg-config
-  flex bison libreadline-dev zlib1g-dev libssl-dev bzip2 ca-certificates)
+  flex bison libreadline-dev zlib1g-dev libssl-dev bzip2 ca-certificates redis-server redis-tools)
 
 install_apt_packages() {
   local missing=()
