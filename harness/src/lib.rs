@@ -19,6 +19,12 @@ pub fn pg_config() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("/usr/lib/postgresql/15/bin/pg_config"))
 }
 
+/// The directory of the Postgres programs (`pg_config --bindir`): initdb and pg_ctl, and pgbench or pg_test_fsync
+/// for the benchmarks.
+pub fn bindir() -> PathBuf {
+    PathBuf::from(pg_config_value("--bindir"))
+}
+
 fn pg_config_value(flag: &str) -> String {
     let out = Command::new(pg_config()).arg(flag).output().expect("run pg_config (is PG_CONFIG right?)");
     assert!(out.status.success(), "pg_config {flag} failed");
@@ -78,7 +84,7 @@ impl Cluster {
     /// initdb + start with extra `postgresql.conf` lines (e.g. `shared_preload_libraries = 'pg_dedup'`).
     pub fn start(conf: &[&str]) -> Cluster {
         let dir = new_cluster_dir();
-        let bindir = PathBuf::from(pg_config_value("--bindir"));
+        let bindir = bindir();
         let major = pg_config_value("--version")
             .split_whitespace()
             .nth(1)
@@ -145,6 +151,11 @@ impl Cluster {
             "pg_ctl start",
         );
         self.running.store(true, Ordering::SeqCst);
+    }
+
+    /// The cluster's own directory: its unix socket (the `host` to connect to) and its data directory live here.
+    pub fn socket_dir(&self) -> &Path {
+        &self.dir
     }
 
     pub fn data_dir(&self) -> PathBuf {
