@@ -116,17 +116,19 @@ pub fn scenarios(c: &mut Client, scale: &Scale) -> Vec<Row> {
     });
     rows.push(Row::new("foreground mark() while the worker purges", ("purging", busy), ("idle", idle), "marks/s"));
 
-    // Table size over TTL cycles at a steady rate: every 400 ms a fifth of a window's marks arrive with a 2 s TTL
-    // (random ids, like event UUIDs), expired ones are purged, and the table is vacuumed (autovacuum's job, done
-    // here explicitly so the result does not depend on its timing). Compared: after 5 TTLs against a table freshly
-    // loaded with the same rows, and after 10 TTLs against after 5 (does it keep growing?).
+    // Table size over TTL cycles at a steady rate: every tick (400 ms; 200 in quick mode) a fifth of a window's
+    // marks arrive with a TTL of 5 ticks (random ids, like event UUIDs), expired ones are purged, and the table is
+    // vacuumed (autovacuum's job, done here explicitly so the result does not depend on its timing). Compared:
+    // after 5 TTLs against a table freshly loaded with the same rows, and after 10 TTLs against after 5 (does it
+    // keep growing?).
     let step = scale.cycle_rows / 5;
+    let (tick_ms, ttl_ms) = (scale.cycle_tick_ms, 5 * scale.cycle_tick_ms);
     c.batch_execute("SELECT dedup.create_inbox('steady'), dedup.create_inbox('fresh')").unwrap();
     let mut after_five = 0.0;
     for tick in 0..50 {
         let started = std::time::Instant::now();
         c.batch_execute(&format!(
-            "SELECT count(*) FROM dedup.mark_many(array(SELECT md5('{tick}-' || g) FROM generate_series(1, {step}) g), '2 seconds', 'steady')"
+            "SELECT count(*) FROM dedup.mark_many(array(SELECT md5('{tick}-' || g) FROM generate_series(1, {step}) g), '{ttl_ms} ms', 'steady')"
         ))
         .unwrap();
         c.batch_execute("SELECT dedup.purge('steady')").unwrap();
@@ -141,7 +143,7 @@ pub fn scenarios(c: &mut Client, scale: &Scale) -> Vec<Row> {
                 "MB",
             ));
         }
-        std::thread::sleep(Duration::from_millis(400).saturating_sub(started.elapsed()));
+        std::thread::sleep(Duration::from_millis(tick_ms).saturating_sub(started.elapsed()));
     }
     rows.push(Row::new(
         "inbox size after 10 TTL cycles vs after 5",

@@ -18,6 +18,8 @@ pub struct Scale {
     pub marks: i64,
     pub purge_rows: i64,
     pub cycle_rows: i64,
+    /// One tick of the steady-rate size scenario (a fifth of the TTL).
+    pub cycle_tick_ms: u64,
 }
 
 pub struct Row {
@@ -65,19 +67,24 @@ pub fn timed(c: &mut Client, sql: &str, work: i64) -> f64 {
 fn main() {
     let quick = std::env::var("BENCH_QUICK").is_ok_and(|v| v == "1");
     let scale = if quick {
-        Scale { rounds: 3, preload: 50_000, seen_lookups: 50_000, marks: 10_000, purge_rows: 100_000, cycle_rows: 20_000 }
+        Scale { rounds: 3, preload: 50_000, seen_lookups: 50_000, marks: 10_000, purge_rows: 100_000, cycle_rows: 20_000, cycle_tick_ms: 200 }
     } else {
-        Scale { rounds: 5, preload: 500_000, seen_lookups: 200_000, marks: 50_000, purge_rows: 500_000, cycle_rows: 100_000 }
+        Scale { rounds: 5, preload: 500_000, seen_lookups: 200_000, marks: 50_000, purge_rows: 500_000, cycle_rows: 100_000, cycle_tick_ms: 400 }
     };
     let cluster = Cluster::start(&[
         "shared_preload_libraries = 'pg_dedup'",
         "dedup.database = 'bench'",
         // The benchmark drives purging itself, batch by batch as the worker would, to time it.
         "dedup.purge = off",
+        // When the expiry scenarios switch the worker on, it starts a cycle within a second rather than ten (the
+        // figures come from the cycle itself; only the wait for it shrinks).
+        "dedup.purge_interval = '1s'",
         // Room for every key the run adds, so no filter rotation competes with a timed scenario.
         "dedup.bloom_capacity = 10000000",
         "shared_buffers = '512MB'",
         "synchronous_commit = off",
+        // The harness turns fsync off for speed; a benchmark must pay for its flushes like a real server does.
+        "fsync = on",
         "max_wal_size = '4GB'",
         "checkpoint_timeout = '30min'",
     ]);
