@@ -33,7 +33,8 @@ test: setup
 	  PG_CONFIG=$$(scripts/pg.sh pg_config_for $$v) cargo test -q -p pg_dedup_tests -- --test-threads=4 || exit 1; \
 	done
 
-# Benchmarks (optimised build of the extension); BENCH_QUICK=1 for a short run.
+# Benchmarks (optimised build of the extension) against hand-written SQL, pg_test_fsync and Redis; BENCH_QUICK=1 for
+# a short run (under 2 minutes; the full run takes about 25), BENCH_ONLY=clients,growth for some sections only.
 bench: setup
 	@scripts/pg.sh install_extension $(DEMO_PG) --release
 	@PG_CONFIG=$$(scripts/pg.sh pg_config_for $(DEMO_PG)) cargo run -q --release -p pg_dedup_bench --bin bench

@@ -1,11 +1,24 @@
 //! `make bench`: pg_dedup against its baselines, side by side in one run on one throwaway cluster.
 //!
 //! Every scenario runs its two variants alternately (A, B, A, B, ...) and reports medians and their ratio, so the
-//! machine's noise hits both sides alike. Results are printed and written to bench/results/latest.json.
-//! BENCH_QUICK=1 runs fewer rounds on smaller inputs.
+//! machine's noise hits both sides alike. Results are printed and written to bench/results/latest.json, .md (the
+//! table, for GitHub) and .svg (the ratios and the growth curve).
+//!
+//! BENCH_QUICK=1 runs fewer rounds on smaller inputs (under two minutes); BENCH_ONLY=clients,growth runs only the
+//! sections named (filter, expiry, clients, growth) and writes no results files; BENCH_VERBOSE=1 prints every
+//! client-side run.
 
+mod chart;
+mod clients;
+mod compare;
 mod expiry;
 mod filter;
+mod fsync;
+mod growth;
+mod machine;
+mod pgbench;
+mod redis;
+mod report;
 
 use pg_dedup_harness::postgres::Client;
 use pg_dedup_harness::Cluster;
@@ -20,6 +33,42 @@ pub struct Scale {
     pub cycle_rows: i64,
     /// One tick of the steady-rate size scenario (a fifth of the TTL).
     pub cycle_tick_ms: u64,
+    /// Seconds per pgbench (or redis-benchmark) run.
+    pub run_secs: u32,
+    /// Client counts of the single-mark scenarios, per synchronous_commit setting.
+    pub clients_async: Vec<u32>,
+    pub clients_sync: Vec<u32>,
+    pub clients_duplicates: Vec<u32>,
+    /// Shares of duplicate ids (%) the duplicate scenarios run with.
+    pub duplicate_shares: Vec<u32>,
+    /// Client counts at which mark() is also compared with Redis.
+    pub clients_redis: Vec<u32>,
+    pub clients_batches: Vec<u32>,
+    /// Ids already marked (and in the raw table) that the duplicate scenarios draw from.
+    pub duplicate_ids: i64,
+    /// Inbox sizes the growth scenario measures at.
+    pub growth_steps: Vec<i64>,
+}
+
+/// What a row's A / B should be (or, for `Zero`, what A should be).
+#[derive(Clone, Copy)]
+pub enum Goal {
+    AtLeast(f64),
+    AtMost(f64),
+    /// A is 0 where B, measured alternately with it, is known to be 0 (WAL bytes per duplicate: the raw insert
+    /// writes none, so what B shows is background WAL, autovacuum's and checkpoints', spread over the run's
+    /// transactions). Met when A exceeds B by less than half a byte.
+    Zero,
+}
+
+impl Goal {
+    pub fn label(self) -> String {
+        match self {
+            Goal::AtLeast(g) => format!("≥ {g:.2}"),
+            Goal::AtMost(g) => format!("≤ {g:.2}"),
+            Goal::Zero => "A = 0".into(),
+        }
+    }
 }
 
 pub struct Row {
@@ -29,32 +78,63 @@ pub struct Row {
     pub variant_b: String,
     pub b: f64,
     pub unit: &'static str,
+    pub goal: Option<Goal>,
+    /// WAL bytes per id of A and B (client-side scenarios).
+    pub wal: Option<[f64; 2]>,
 }
 
 impl Row {
     pub fn new(scenario: &str, (variant_a, a): (&str, f64), (variant_b, b): (&str, f64), unit: &'static str) -> Row {
-        Row { scenario: scenario.into(), variant_a: variant_a.into(), a, variant_b: variant_b.into(), b, unit }
+        Row { scenario: scenario.into(), variant_a: variant_a.into(), a, variant_b: variant_b.into(), b, unit, goal: None, wal: None }
     }
 
-    fn ratio(&self) -> f64 {
-        self.a / self.b
+    pub fn goal(self, goal: Goal) -> Row {
+        Row { goal: Some(goal), ..self }
+    }
+
+    pub fn wal(self, a: f64, b: f64) -> Row {
+        Row { wal: Some([a, b]), ..self }
+    }
+
+    /// A / B; none when B is 0, or when the goal is A = 0 (WAL bytes of duplicates: a fraction of a byte of
+    /// background records on both sides, whose ratio means nothing).
+    pub fn ratio(&self) -> Option<f64> {
+        (self.b != 0.0 && !matches!(self.goal, Some(Goal::Zero))).then(|| self.a / self.b)
+    }
+
+    /// Whether the goal is met, judged at the precision shown (a ratio printed as 1.00 meets "≤ 1.00"); none
+    /// without a goal (or a ratio to judge).
+    pub fn met(&self) -> Option<bool> {
+        let shown = |ratio: f64| (ratio * 100.0).round() / 100.0;
+        match self.goal? {
+            Goal::AtLeast(g) => Some(shown(self.ratio()?) >= g),
+            Goal::AtMost(g) => Some(shown(self.ratio()?) <= g),
+            Goal::Zero => Some(self.a - self.b < 0.5),
+        }
     }
 }
 
-fn median(mut xs: Vec<f64>) -> f64 {
+pub fn median(mut xs: Vec<f64>) -> f64 {
     xs.sort_by(|a, b| a.partial_cmp(b).unwrap());
     xs[xs.len() / 2]
 }
 
-/// Runs `round(variant, round_number)` for variants 0 and 1 alternately; each returns a rate. Medians of both.
-pub fn alternate(rounds: usize, mut round: impl FnMut(usize, usize) -> f64) -> [f64; 2] {
-    let mut rates = [Vec::new(), Vec::new()];
+/// Runs `round(variant, round_number)` for each of `variants` in turn, `rounds` times over; every sample, per
+/// variant.
+pub fn alternate_samples<T>(rounds: usize, variants: usize, mut round: impl FnMut(usize, usize) -> T) -> Vec<Vec<T>> {
+    let mut samples: Vec<Vec<T>> = (0..variants).map(|_| Vec::new()).collect();
     for r in 0..rounds {
-        for (variant, rate) in rates.iter_mut().enumerate() {
-            rate.push(round(variant, r));
+        for (variant, runs) in samples.iter_mut().enumerate() {
+            runs.push(round(variant, r));
         }
     }
-    rates.map(median)
+    samples
+}
+
+/// Runs `round(variant, round_number)` for variants 0 and 1 alternately; each returns a rate. Medians of both.
+pub fn alternate(rounds: usize, round: impl FnMut(usize, usize) -> f64) -> [f64; 2] {
+    let mut medians = alternate_samples(rounds, 2, round).into_iter().map(median);
+    [medians.next().unwrap(), medians.next().unwrap()]
 }
 
 /// Runs `sql` and returns `work` per second.
@@ -65,12 +145,50 @@ pub fn timed(c: &mut Client, sql: &str, work: i64) -> f64 {
 }
 
 fn main() {
+    let started = Instant::now();
     let quick = std::env::var("BENCH_QUICK").is_ok_and(|v| v == "1");
     let scale = if quick {
-        Scale { rounds: 3, preload: 50_000, seen_lookups: 50_000, marks: 10_000, purge_rows: 100_000, cycle_rows: 20_000, cycle_tick_ms: 200 }
+        Scale {
+            rounds: 3,
+            preload: 50_000,
+            seen_lookups: 50_000,
+            marks: 10_000,
+            purge_rows: 100_000,
+            cycle_rows: 20_000,
+            cycle_tick_ms: 200,
+            run_secs: 1,
+            clients_async: vec![1, 8],
+            clients_sync: vec![1],
+            clients_duplicates: vec![1],
+            duplicate_shares: vec![100],
+            clients_redis: vec![1],
+            clients_batches: vec![1],
+            duplicate_ids: 20_000,
+            growth_steps: vec![100_000, 1_000_000],
+        }
     } else {
-        Scale { rounds: 5, preload: 500_000, seen_lookups: 200_000, marks: 50_000, purge_rows: 500_000, cycle_rows: 100_000, cycle_tick_ms: 400 }
+        Scale {
+            rounds: 5,
+            preload: 500_000,
+            seen_lookups: 200_000,
+            marks: 50_000,
+            purge_rows: 500_000,
+            cycle_rows: 100_000,
+            cycle_tick_ms: 400,
+            run_secs: 5,
+            clients_async: vec![1, 2, 8],
+            clients_sync: vec![1, 2, 8],
+            clients_duplicates: vec![1, 8],
+            duplicate_shares: vec![20, 100],
+            clients_redis: vec![1, 8],
+            clients_batches: vec![1, 2],
+            duplicate_ids: 100_000,
+            growth_steps: vec![100_000, 1_000_000, 3_000_000, 10_000_000],
+        }
     };
+    // BENCH_ONLY=clients,growth runs only those sections (and writes no results files).
+    let only = std::env::var("BENCH_ONLY").ok();
+    let runs = |section: &str| only.as_deref().is_none_or(|o| o.split(',').any(|s| s.trim() == section));
     let cluster = Cluster::start(&[
         "shared_preload_libraries = 'pg_dedup'",
         "dedup.database = 'bench'",
@@ -79,51 +197,44 @@ fn main() {
         // When the expiry scenarios switch the worker on, it starts a cycle within a second rather than ten (the
         // figures come from the cycle itself; only the wait for it shrinks).
         "dedup.purge_interval = '1s'",
-        // Room for every key the run adds, so no filter rotation competes with a timed scenario.
-        "dedup.bloom_capacity = 10000000",
+        // Room for every key the run adds, so no filter rotation competes with a timed scenario: a full run marks
+        // about 30 million ids (the growth scenario's 10 million fill, batches of 1,000 at 200k+ ids/s). 130 MB.
+        "dedup.bloom_capacity = 50000000",
         "shared_buffers = '512MB'",
         "synchronous_commit = off",
-        // The harness turns fsync off for speed; a benchmark must pay for its flushes like a real server does.
+        // The harness turns fsync off for speed; here synchronous_commit = on runs must really wait for the disk.
         "fsync = on",
         "max_wal_size = '4GB'",
         "checkpoint_timeout = '30min'",
     ]);
     let mut c = cluster.fresh_db("bench");
-    let mut rows = filter::scenarios(&mut c, &scale);
-    rows.extend(expiry::scenarios(&mut c, &scale));
-
-    let version: String = c.query_one("SHOW server_version", &[]).unwrap().get(0);
-    println!(
-        "\npg_dedup benchmark — PostgreSQL {version}, {} mode, medians of {} alternating rounds\n",
-        if quick { "quick" } else { "full" },
-        scale.rounds
-    );
-    println!("{:<50} {:>30} {:>30} {:>8}", "scenario", "A", "B", "A / B");
-    let show = |label: &str, value: f64| {
-        if value < 100.0 { format!("{label} {value:.2}") } else { format!("{label} {value:.0}") }
+    let pgbench = pgbench::Pgbench::new(&cluster, "bench");
+    let mut rows = Vec::new();
+    let mut curve = Vec::new();
+    let mut section = |name: &str, run: &mut dyn FnMut(&mut Client) -> Vec<Row>| {
+        if runs(name) {
+            let at = Instant::now();
+            rows.extend(run(&mut c));
+            eprintln!("[bench] {name}: {:.0} s", at.elapsed().as_secs_f64());
+        }
     };
-    for r in &rows {
-        println!(
-            "{:<50} {:>30} {:>30} {:>7.2}x  {}",
-            r.scenario,
-            show(&r.variant_a, r.a),
-            show(&r.variant_b, r.b),
-            r.ratio(),
-            r.unit
-        );
+    section("filter", &mut |c| filter::scenarios(c, &scale));
+    section("expiry", &mut |c| expiry::scenarios(c, &scale));
+    section("clients", &mut |c| clients::scenarios(c, &pgbench, cluster.socket_dir(), &scale));
+    section("growth", &mut |c| {
+        let (rows, points) = growth::scenarios(c, &pgbench, &scale);
+        curve = points;
+        rows
+    });
+
+    let machine = machine::describe(&mut c, quick, &scale);
+    report::print(&rows, &machine);
+    if only.is_none() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("results");
+        report::write(&dir, &rows, &curve, &machine).expect("write results");
+        println!("\nwritten to {}/latest.{{json,md,svg}}", dir.display());
     }
-    let json: Vec<String> = rows
-        .iter()
-        .map(|r| {
-            format!(
-                "  {{\"scenario\": \"{}\", \"a\": \"{}\", \"a_value\": {:.3}, \"b\": \"{}\", \"b_value\": {:.3}, \"unit\": \"{}\", \"ratio\": {:.3}}}",
-                r.scenario, r.variant_a, r.a, r.variant_b, r.b, r.unit, r.ratio()
-            )
-        })
-        .collect();
-    let out = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("results/latest.json");
-    std::fs::write(&out, format!("[\n{}\n]\n", json.join(",\n"))).expect("write results");
-    println!("\nwritten to {}", out.display());
+    eprintln!("[bench] total: {:.0} s", started.elapsed().as_secs_f64());
     drop(c);
     cluster.destroy();
 }

@@ -1,0 +1,242 @@
+//! What an application sees: one transaction per mark (or per batch of 1,000) sent by pgbench clients, pg_dedup
+//! against the hand-written SQL on an identical table (`bench_raw`), at the same client counts and
+//! synchronous_commit, alternating. Around them: the ceiling (a transaction doing nothing but `SELECT 1`), the
+//! disk's flush rate (pg_test_fsync) and Redis `SET NX EX` at matching durability.
+
+use crate::compare::{compare, Measured, Setting, Side};
+use crate::pgbench::{Commit, Pgbench};
+use crate::redis::{Durability, Redis};
+use crate::{Goal, Row, Scale};
+use pg_dedup_harness::postgres::Client;
+use std::path::Path;
+
+/// The goal of a single new-id mark against the raw insert (sync off; at the client counts listed).
+const SINGLE_GOAL: Goal = Goal::AtLeast(1.1);
+const SINGLE_GOAL_CLIENTS: [u32; 2] = [1, 8];
+
+/// Creates `raw`, a table identical to the inbox table `inbox` (columns, collation, indexes, reloptions; no
+/// trigger: the filter's trigger is part of what pg_dedup costs) holding the same rows.
+pub fn raw_twin(c: &mut Client, inbox: &str, raw: &str) {
+    c.batch_execute(&format!("CREATE TABLE {raw} (LIKE {inbox} INCLUDING ALL)")).unwrap();
+    let options: Option<String> = c
+        .query_one(
+            &format!("SELECT array_to_string(reloptions, ', ') FROM pg_class WHERE oid = '{inbox}'::regclass"),
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    if let Some(options) = options.filter(|o| !o.is_empty()) {
+        c.batch_execute(&format!("ALTER TABLE {raw} SET ({options})")).unwrap();
+    }
+    c.batch_execute(&format!("INSERT INTO {raw} SELECT * FROM {inbox}")).unwrap();
+}
+
+/// Vacuums the freshly loaded `tables` (so autovacuum does not pick them up mid-measurement) and checkpoints (so
+/// the load's dirty pages are not written during it).
+pub fn settle(c: &mut Client, tables: &[&str]) {
+    c.batch_execute(&format!("VACUUM ANALYZE {}", tables.join(", "))).unwrap();
+    c.batch_execute("CHECKPOINT").unwrap();
+}
+
+/// A pgbench script running `statement(id)` once per transaction. The id is new (a random `evt-` id), or with
+/// probability `duplicates`% one of the `dup-1` .. `dup-<preloaded>` ids already in both tables.
+pub fn one_id_script(statement: &dyn Fn(&str) -> String, duplicates: u32, preloaded: i64) -> String {
+    let new = format!("\\set r random(1, 1000000000000000)\n{};\n", statement("'evt-' || :r"));
+    let dup = format!("\\set p random(1, {preloaded})\n{};\n", statement("'dup-' || :p"));
+    match duplicates {
+        0 => new,
+        100 => dup,
+        pct => format!("\\if random(1, 100) <= {pct}\n{dup}\\else\n{new}\\endif\n"),
+    }
+}
+
+pub fn mark_sql(inbox: &str) -> impl Fn(&str) -> String + '_ {
+    move |id| match inbox {
+        "default" => format!("SELECT dedup.mark({id}, interval '3 days')"),
+        _ => format!("SELECT dedup.mark({id}, interval '3 days', '{inbox}')"),
+    }
+}
+
+pub fn raw_sql(table: &str) -> impl Fn(&str) -> String + '_ {
+    move |id| {
+        format!("INSERT INTO {table} (id, expires_at) VALUES ({id}, now() + interval '3 days') ON CONFLICT DO NOTHING RETURNING true")
+    }
+}
+
+/// 1,000 new ids per transaction.
+const BATCH: &str = "array(SELECT 'evt-' || :r || '-' || g FROM generate_series(1, 1000) g)";
+
+/// Row "A vs B" from two measured sides, with their WAL per id when both have it.
+pub fn row(
+    scenario: String,
+    (a_label, a): (&str, &Measured),
+    (b_label, b): (&str, &Measured),
+    unit: &'static str,
+) -> Row {
+    let row = Row::new(&scenario, (a_label, a.rate), (b_label, b.rate), unit);
+    match (a.wal_per_id, b.wal_per_id) {
+        (Some(wa), Some(wb)) => row.wal(wa, wb),
+        _ => row,
+    }
+}
+
+pub fn scenarios(c: &mut Client, pgbench: &Pgbench, cluster_dir: &Path, scale: &Scale) -> Vec<Row> {
+    let preloaded = scale.duplicate_ids;
+    raw_twin(c, "dedup.inbox_default", "bench_raw");
+    for table in ["dedup.inbox_default", "bench_raw"] {
+        c.batch_execute(&format!(
+            "INSERT INTO {table} (id, expires_at) SELECT 'dup-' || g, now() + interval '30 days' FROM generate_series(1, {preloaded}) g"
+        ))
+        .unwrap();
+    }
+    settle(c, &["dedup.inbox_default", "bench_raw"]);
+
+    let (mark, raw) = (mark_sql("default"), raw_sql("bench_raw"));
+    let sql = |name: &str, text: String| Side::Sql { script: pgbench.script(name, &text), ids: 1 };
+    let redis = crate::redis::version().map(|_| [Redis::start(Durability::None), Redis::start(Durability::Fsync)]);
+    if redis.is_none() {
+        eprintln!(
+            "[bench] redis-server or redis-benchmark is not installed: skipping the Redis rows \
+             (`apt-get install redis-server redis-tools`, or scripts/setup.sh)"
+        );
+    }
+    let setting = |clients, commit| Setting { clients, commit, secs: scale.run_secs, rounds: scale.rounds };
+    let mut rows = Vec::new();
+
+    // (a) One new id per transaction, at each client count and both synchronous_commit settings, with the extra
+    // sides that only make sense at some of them, run in the same rounds.
+    let mut wal_rows = Vec::new();
+    for (commit, client_counts) in [(Commit::Async, &scale.clients_async), (Commit::Sync, &scale.clients_sync)] {
+        for &clients in client_counts {
+            let mut sides = vec![
+                sql("mark_new", one_id_script(&mark, 0, preloaded)),
+                sql("raw_new", one_id_script(&raw, 0, preloaded)),
+            ];
+            let ceiling = clients == 1 && commit == Commit::Async;
+            if ceiling {
+                sides.push(sql("select_1", "SELECT 1;\n".into()));
+            }
+            let flush_rate = clients == 1 && commit == Commit::Sync;
+            if flush_rate {
+                sides.push(Side::Fsync(cluster_dir.join("pg_test_fsync.tmp")));
+            }
+            let redis = redis.as_ref().filter(|_| scale.clients_redis.contains(&clients)).map(|r| match commit {
+                Commit::Async => &r[0],
+                Commit::Sync => &r[1],
+            });
+            if let Some(redis) = redis {
+                sides.push(Side::Redis(redis));
+            }
+            let at = setting(clients, commit);
+            let m = compare(c, pgbench, &at, &sides);
+            let at = at.label();
+            let mut single =
+                row(format!("mark() of a new id per tx, {at}"), ("mark", &m[0]), ("raw insert", &m[1]), "tx/s");
+            if commit == Commit::Async && SINGLE_GOAL_CLIENTS.contains(&clients) {
+                single = single.goal(SINGLE_GOAL);
+            }
+            rows.push(single);
+            if ceiling {
+                rows.push(row(
+                    format!("ceiling: SELECT 1 per tx vs raw insert, {at}"),
+                    ("SELECT 1", &m[2]),
+                    ("raw insert", &m[1]),
+                    "tx/s",
+                ));
+                wal_rows.push(
+                    Row::new(
+                        "WAL per new mark",
+                        ("mark", m[0].wal_per_id.unwrap()),
+                        ("raw insert", m[1].wal_per_id.unwrap()),
+                        "B/id",
+                    )
+                    .goal(Goal::AtMost(1.0)),
+                );
+            }
+            if flush_rate {
+                rows.push(
+                    row(
+                        format!("mark() per tx vs disk flushes, {at}"),
+                        ("mark", &m[0]),
+                        ("pg_test_fsync fdatasync", &m[2]),
+                        "/s",
+                    )
+                    .goal(Goal::AtLeast(0.9)),
+                );
+            }
+            if redis.is_some() {
+                let what = match commit {
+                    Commit::Async => "no persistence",
+                    Commit::Sync => "appendfsync always",
+                };
+                rows.push(row(
+                    format!("mark() vs Redis SET NX EX ({what}), {at}"),
+                    ("mark", &m[0]),
+                    ("redis", m.last().unwrap()),
+                    "/s",
+                ));
+            }
+        }
+    }
+
+    // (b) Duplicates: a share of the ids (20%, 100%) is already marked, and already in bench_raw.
+    for &clients in &scale.clients_duplicates {
+        let sides: Vec<Side> = (scale.duplicate_shares.iter())
+            .flat_map(|&pct| {
+                [
+                    sql(&format!("mark_dup{pct}"), one_id_script(&mark, pct, preloaded)),
+                    sql(&format!("raw_dup{pct}"), one_id_script(&raw, pct, preloaded)),
+                ]
+            })
+            .collect();
+        let at = setting(clients, Commit::Async);
+        let m = compare(c, pgbench, &at, &sides);
+        let at = at.label();
+        for (pair, &pct) in m.chunks(2).zip(&scale.duplicate_shares) {
+            rows.push(row(
+                format!("mark(), {pct}% duplicates, {at}"),
+                ("mark", &pair[0]),
+                ("raw insert", &pair[1]),
+                "tx/s",
+            ));
+            if pct == 100 && clients == scale.clients_duplicates[0] {
+                wal_rows.push(
+                    Row::new(
+                        "WAL per duplicate",
+                        ("mark", pair[0].wal_per_id.unwrap()),
+                        ("raw insert", pair[1].wal_per_id.unwrap()),
+                        "B/id",
+                    )
+                    .goal(Goal::Zero),
+                );
+            }
+        }
+    }
+
+    // (c) Batches of 1,000 new ids per transaction.
+    let mark_many = format!(
+        "\\set r random(1, 1000000000000000)\nSELECT count(*) FROM dedup.mark_many({BATCH}, interval '3 days');\n"
+    );
+    let unnest = format!(
+        "\\set r random(1, 1000000000000000)\nWITH ins AS (INSERT INTO bench_raw (id, expires_at) SELECT u, now() + interval '3 days' \
+         FROM unnest({BATCH}) u ON CONFLICT DO NOTHING RETURNING id) SELECT count(*) FROM ins;\n"
+    );
+    let batch = |name: &str, text: &str| Side::Sql { script: pgbench.script(name, text), ids: 1000 };
+    let sides = [batch("mark_many", &mark_many), batch("unnest", &unnest)];
+    for &clients in &scale.clients_batches {
+        let at = setting(clients, Commit::Async);
+        let m = compare(c, pgbench, &at, &sides);
+        let at = at.label();
+        rows.push(
+            row(
+                format!("mark_many() of 1,000 new ids per tx, {at}"),
+                ("mark_many", &m[0]),
+                ("unnest insert", &m[1]),
+                "ids/s",
+            )
+            .goal(Goal::AtLeast(1.5)),
+        );
+    }
+    rows.extend(wal_rows);
+    rows
+}

@@ -1,0 +1,96 @@
+//! One client-side comparison: several sides (pgbench scripts, Redis, the disk's flush rate) at one setting
+//! (clients, synchronous_commit, seconds per run), run alternately (every side once per round) and summarised as
+//! medians, so the shared machine's noise hits every side alike.
+
+use crate::pgbench::{Commit, Pgbench};
+use crate::redis::Redis;
+use crate::{alternate_samples, median};
+use pg_dedup_harness::postgres::Client;
+use std::path::PathBuf;
+
+/// What one side runs.
+pub enum Side<'a> {
+    /// A pgbench script whose transactions handle `ids` ids each.
+    Sql { script: PathBuf, ids: u32 },
+    /// Redis `SET key 1 NX EX` (one id per request).
+    Redis(&'a Redis),
+    /// pg_test_fsync's fdatasync rate on this file (flushes per second; the setting's clients do not apply).
+    Fsync(PathBuf),
+}
+
+pub struct Setting {
+    pub clients: u32,
+    pub commit: Commit,
+    pub secs: u32,
+    pub rounds: usize,
+}
+
+impl Setting {
+    /// "1 client, sync off", as rows name it.
+    pub fn label(&self) -> String {
+        format!("{} client{}, {}", self.clients, if self.clients == 1 { "" } else { "s" }, self.commit.label())
+    }
+}
+
+/// One side's medians over the rounds.
+pub struct Measured {
+    /// ids (or requests, or flushes) per second.
+    pub rate: f64,
+    /// WAL bytes per id (pgbench sides only).
+    pub wal_per_id: Option<f64>,
+    /// ids processed over all rounds (pgbench sides), i.e. the rows a side of all-new ids added to its table.
+    pub ids: u64,
+}
+
+struct Sample {
+    rate: f64,
+    wal_per_id: Option<f64>,
+    ids: u64,
+}
+
+fn sample(c: &mut Client, pgbench: &Pgbench, setting: &Setting, side: &Side) -> Sample {
+    match side {
+        Side::Sql { script, ids } => {
+            let run = pgbench.run(c, script, setting.clients, setting.commit, setting.secs);
+            let ids = *ids as f64;
+            Sample { rate: run.tps * ids, wal_per_id: Some(run.wal_per_tx / ids), ids: run.transactions * ids as u64 }
+        }
+        Side::Redis(redis) => {
+            Sample { rate: redis.set_nx_rate(setting.clients, setting.secs), wal_per_id: None, ids: 0 }
+        }
+        Side::Fsync(file) => {
+            Sample { rate: crate::fsync::fdatasync_rate(file, setting.secs.min(2)), wal_per_id: None, ids: 0 }
+        }
+    }
+}
+
+impl Side<'_> {
+    fn name(&self) -> String {
+        match self {
+            Side::Sql { script, .. } => script.file_stem().unwrap_or_default().to_string_lossy().into_owned(),
+            Side::Redis(_) => "redis".into(),
+            Side::Fsync(_) => "pg_test_fsync".into(),
+        }
+    }
+}
+
+/// Runs `sides` alternately at `setting`; one result per side, in order. BENCH_VERBOSE=1 prints every run.
+pub fn compare(c: &mut Client, pgbench: &Pgbench, setting: &Setting, sides: &[Side]) -> Vec<Measured> {
+    let verbose = std::env::var("BENCH_VERBOSE").is_ok_and(|v| v == "1");
+    let samples = alternate_samples(setting.rounds, sides.len(), |side, _| {
+        let s = sample(c, pgbench, setting, &sides[side]);
+        if verbose {
+            let wal = s.wal_per_id.map_or(String::new(), |w| format!(", WAL {w:.1} B/id"));
+            eprintln!("[bench]   {} ({}): {:.0}/s{wal}", sides[side].name(), setting.label(), s.rate);
+        }
+        s
+    });
+    samples
+        .into_iter()
+        .map(|runs| Measured {
+            rate: median(runs.iter().map(|s| s.rate).collect()),
+            wal_per_id: runs.iter().map(|s| s.wal_per_id).collect::<Option<Vec<_>>>().map(median),
+            ids: runs.iter().map(|s| s.ids).sum(),
+        })
+        .collect()
+}

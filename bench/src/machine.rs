@@ -1,0 +1,41 @@
+//! The machine a run was measured on, written beside the results: ratios travel between machines better than
+//! absolute figures, but both mean more with the machine named.
+
+use crate::Scale;
+use pg_dedup_harness::postgres::Client;
+use std::process::Command;
+
+/// (field, value) pairs, in the order they are shown.
+pub type Machine = Vec<(&'static str, String)>;
+
+fn first_line_with(path: &str, prefix: &str) -> Option<String> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let line = text.lines().find(|l| l.starts_with(prefix))?;
+    Some(line.split_once(':')?.1.trim().to_owned())
+}
+
+fn command(program: &str, args: &[&str]) -> Option<String> {
+    let out = Command::new(program).args(args).output().ok().filter(|o| o.status.success())?;
+    Some(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+}
+
+pub fn describe(c: &mut Client, quick: bool, scale: &Scale) -> Machine {
+    let unknown = || "unknown".to_owned();
+    let memory = first_line_with("/proc/meminfo", "MemTotal")
+        .and_then(|kb| kb.trim_end_matches("kB").trim().parse::<f64>().ok())
+        .map(|kb| format!("{:.1} GiB", kb / 1024.0 / 1024.0));
+    vec![
+        ("cpu", first_line_with("/proc/cpuinfo", "model name").unwrap_or_else(unknown)),
+        ("cores", std::thread::available_parallelism().map_or_else(|_| unknown(), |n| n.to_string())),
+        ("memory", memory.unwrap_or_else(unknown)),
+        (
+            "kernel",
+            std::fs::read_to_string("/proc/sys/kernel/osrelease").map_or_else(|_| unknown(), |k| k.trim().to_owned()),
+        ),
+        ("postgresql", c.query_one("SHOW server_version", &[]).unwrap().get(0)),
+        ("redis", crate::redis::version().unwrap_or_else(|| "not installed".into())),
+        ("date", command("date", &["-u", "+%Y-%m-%dT%H:%M:%SZ"]).unwrap_or_else(unknown)),
+        ("mode", if quick { "quick (BENCH_QUICK=1)" } else { "full" }.into()),
+        ("rounds", format!("medians of {} alternating rounds, {} s per client-side run", scale.rounds, scale.run_secs)),
+    ]
+}
