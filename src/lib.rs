@@ -10,6 +10,7 @@
 //! - `worker`  — the background worker that keeps the filter loaded (preloaded only)
 //! - `stats`   — `dedup.stats`
 //! - `purge`   — batched deletion of expired marks
+//! - `subxact` — trying something in a subtransaction, undone on an expected error
 //! - `guc`     — every setting
 //! - `input`   — validation of every argument
 //! - `errors`  — `dedup:` errors with SQLSTATE and hint
@@ -26,6 +27,7 @@ mod purge;
 mod rebuild;
 mod shmem;
 mod stats;
+mod subxact;
 mod worker;
 
 ::pgrx::pg_module_magic!();

@@ -9,6 +9,7 @@
 use crate::claim::statement_now;
 use crate::inbox::{Inbox, Stmt};
 use crate::shmem::Counter;
+use crate::subxact;
 use pgrx::prelude::*;
 use std::ffi::{CStr, CString};
 
@@ -46,7 +47,9 @@ pub fn purge_batch(inbox: &Inbox, now: TimestampWithTimeZone, limit: i64, held: 
 
 /// One batch inside the caller's transaction: the quick attempt in a subtransaction, then skipping held rows.
 fn purge_batch_in_place(inbox: &Inbox, now: TimestampWithTimeZone, limit: i64) -> i64 {
-    in_subtransaction_unless_blocked(|| purge_batch(inbox, now, limit, HeldRows::WaitBriefly))
+    subxact::undo_on(PgSqlErrorCode::ERRCODE_LOCK_NOT_AVAILABLE, || {
+        purge_batch(inbox, now, limit, HeldRows::WaitBriefly)
+    })
         .unwrap_or_else(|| purge_batch(inbox, now, limit, HeldRows::Skip))
 }
 
@@ -63,40 +66,6 @@ fn set_lock_timeout(value: &CStr) -> CString {
         );
         previous
     }
-}
-
-/// Runs `body` in a subtransaction, the way a PL/pgSQL exception block does. If it fails on a lock wait
-/// (lock_timeout), the subtransaction is rolled back — undoing everything `body` did — and None is returned; any
-/// other error rolls the subtransaction back too and propagates.
-fn in_subtransaction_unless_blocked<R>(body: impl FnOnce() -> R) -> Option<R> {
-    // Whatever `body` touched in Postgres is undone by the rollback; Rust state it shares (the plan cache) stays
-    // valid across an unwind.
-    let body = std::panic::AssertUnwindSafe(body);
-    let (context, owner) = unsafe { (pg_sys::CurrentMemoryContext, pg_sys::CurrentResourceOwner) };
-    let restore = move || unsafe {
-        pg_sys::MemoryContextSwitchTo(context);
-        pg_sys::CurrentResourceOwner = owner;
-    };
-    unsafe { pg_sys::BeginInternalSubTransaction(std::ptr::null()) };
-    restore();
-    PgTryBuilder::new(|| {
-        let result = body();
-        unsafe { pg_sys::ReleaseCurrentSubTransaction() };
-        restore();
-        Some(result)
-    })
-    .catch_when(PgSqlErrorCode::ERRCODE_LOCK_NOT_AVAILABLE, |_| {
-        unsafe { pg_sys::RollbackAndReleaseCurrentSubTransaction() };
-        restore();
-        None
-    })
-    .catch_others(|error| {
-        // Leave the transaction as we found it, then let the error go on to the caller.
-        unsafe { pg_sys::RollbackAndReleaseCurrentSubTransaction() };
-        restore();
-        error.rethrow()
-    })
-    .execute()
 }
 
 /// Deletes up to `limit` expired marks of `inbox` (all of them when `None`), batch after batch, in the current

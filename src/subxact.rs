@@ -1,0 +1,37 @@
+//! Trying something in a subtransaction, the way a PL/pgSQL exception block does: if it fails with the one error
+//! the caller expects, everything it did is undone and the caller takes another road.
+
+use pgrx::prelude::*;
+
+/// Runs `body` in a subtransaction. If it raises `expected`, the subtransaction is rolled back — undoing
+/// everything `body` did — and None is returned; any other error rolls it back too and propagates.
+pub fn undo_on<R>(expected: PgSqlErrorCode, body: impl FnOnce() -> R) -> Option<R> {
+    // Whatever `body` touched in Postgres is undone by the rollback; Rust state it shares (the plan cache) stays
+    // valid across an unwind.
+    let body = std::panic::AssertUnwindSafe(body);
+    let (context, owner) = unsafe { (pg_sys::CurrentMemoryContext, pg_sys::CurrentResourceOwner) };
+    let restore = move || unsafe {
+        pg_sys::MemoryContextSwitchTo(context);
+        pg_sys::CurrentResourceOwner = owner;
+    };
+    unsafe { pg_sys::BeginInternalSubTransaction(std::ptr::null()) };
+    restore();
+    PgTryBuilder::new(|| {
+        let result = body();
+        unsafe { pg_sys::ReleaseCurrentSubTransaction() };
+        restore();
+        Some(result)
+    })
+    .catch_when(expected, |_| {
+        unsafe { pg_sys::RollbackAndReleaseCurrentSubTransaction() };
+        restore();
+        None
+    })
+    .catch_others(|error| {
+        // Leave the transaction as we found it, then let the error go on to the caller.
+        unsafe { pg_sys::RollbackAndReleaseCurrentSubTransaction() };
+        restore();
+        error.rethrow()
+    })
+    .execute()
+}
