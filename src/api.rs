@@ -31,19 +31,19 @@ fn trusted_filter(inbox: &Inbox) -> Option<Trusted> {
     Trusted::for_inbox(inbox.ns)
 }
 
-/// The ids the filter cannot rule out ("maybe"), all of them treated alike when there is no filter to ask.
-fn suspects<'a>(inbox: &Inbox, ids: &'a [String]) -> HashSet<&'a str> {
-    let Some(filter) = trusted_filter(inbox) else { return HashSet::new() };
+/// The ids the filter cannot rule out ("maybe"), or None when there is no filter to ask.
+fn suspects<'a>(inbox: &Inbox, ids: &'a [String]) -> Option<HashSet<&'a str>> {
+    let filter = trusted_filter(inbox)?;
     let suspects: HashSet<&str> = ids.iter().map(String::as_str).filter(|id| filter.may_contain(id)).collect();
     inbox.count(Counter::Lookups, ids.len() as u64);
     inbox.count(Counter::CertainlyNew, (ids.len() - suspects.len()) as u64);
-    suspects
+    Some(suspects)
 }
 
 /// Claims `ids` and keeps the inbox's counters.
 fn claim_and_count(inbox: &Inbox, ids: &[String], ttl: Option<Interval>) -> HashSet<String> {
     let suspects = suspects(inbox, ids);
-    let out = claim::claim(inbox, ids, &suspects, window_end(inbox, ttl));
+    let out = claim::claim(inbox, ids, suspects.as_ref(), window_end(inbox, ttl));
     inbox.count(Counter::Marks, out.fresh.len() as u64);
     inbox.count(Counter::Duplicates, (ids.len() - out.fresh.len()) as u64);
     inbox.count(Counter::Renewals, out.renewals);

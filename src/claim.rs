@@ -14,6 +14,7 @@
 //! Ids are processed in sorted order, so two `mark_many()` calls with overlapping ids lock rows in the same order
 //! and cannot deadlock each other.
 
+use crate::bulk_insert;
 use crate::errors::raise;
 use crate::inbox::{Inbox, Stmt};
 use pgrx::prelude::*;
@@ -51,21 +52,34 @@ pub struct Outcome {
     pub false_positives: u64,
 }
 
-/// Claims `ids` for the window ending at `expires_at`. Ids in `suspects` (the filter could not say "certainly
-/// new") are probed before any insert is tried, so a duplicate costs one index lookup; the others go straight to
-/// the insert, whose conflict check is the truth either way.
-pub fn claim(inbox: &Inbox, ids: &[String], suspects: &HashSet<&str>, expires_at: TimestampWithTimeZone) -> Outcome {
+/// Claims `ids` for the window ending at `expires_at`. `suspects` is what the filter said: None when no filter
+/// answered, else the ids it could not call "certainly new". Suspects are probed before any insert is tried, so a
+/// duplicate costs one index lookup. When a filter answered, what is left is most likely all new and goes in by
+/// the bulk insert in one go; whatever that cannot settle takes the ordinary rounds, whose conflict check is the
+/// truth either way.
+pub fn claim(
+    inbox: &Inbox,
+    ids: &[String],
+    suspects: Option<&HashSet<&str>>,
+    expires_at: TimestampWithTimeZone,
+) -> Outcome {
     let now = statement_now();
     let mut pending: Vec<String> = ids.to_vec();
     pending.sort_unstable();
     pending.dedup();
     let mut out = Outcome::default();
-    let probe_first: Vec<String> = pending.iter().filter(|id| suspects.contains(id.as_str())).cloned().collect();
-    if !probe_first.is_empty() {
-        let before = pending.len();
-        settle(inbox, &probe_first, now, expires_at, &mut pending, &mut out);
-        let duplicates = before - pending.len() - out.renewals as usize;
-        out.false_positives = (probe_first.len() - duplicates) as u64;
+    if let Some(suspects) = suspects {
+        let probe_first: Vec<String> = pending.iter().filter(|id| suspects.contains(id.as_str())).cloned().collect();
+        if !probe_first.is_empty() {
+            let before = pending.len();
+            settle(inbox, &probe_first, now, expires_at, &mut pending, &mut out);
+            let duplicates = before - pending.len() - out.renewals as usize;
+            out.false_positives = (probe_first.len() - duplicates) as u64;
+        }
+        if bulk_insert::insert_all(inbox, &pending, expires_at) {
+            out.fresh.extend(pending);
+            return out;
+        }
     }
     for _ in 0..MAX_ROUNDS {
         if pending.is_empty() {

@@ -15,12 +15,21 @@ extern "C" fn destroy_shared() {
     }
 }
 
-/// The cluster shared by the tests of this binary; stopped when the test process exits.
+/// The cluster shared by the tests of this binary; stopped when the test process exits. A binary whose name ends
+/// in `_filtered` (see Cargo.toml) runs the same tests on a preloaded server, where the Bloom filter answers and
+/// certainly-new ids take the bulk insert instead of INSERT ... ON CONFLICT.
 pub fn cluster() -> &'static Cluster {
     SHARED.get_or_init(|| {
         // SAFETY: registering a plain extern "C" function with no captured state.
         unsafe { libc::atexit(destroy_shared) };
-        Cluster::start(&[])
+        let binary = std::env::current_exe().expect("the test binary's path");
+        let name = binary.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+        // Cargo names a test binary `<target>-<hash>`.
+        if name.rsplit_once('-').is_some_and(|(target, _)| target.ends_with("_filtered")) {
+            preloaded("postgres", &[])
+        } else {
+            Cluster::start(&[])
+        }
     })
 }
 
