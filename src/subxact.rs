@@ -10,12 +10,17 @@ pub fn undo_on<R>(expected: PgSqlErrorCode, body: impl FnOnce() -> R) -> Option<
     // valid across an unwind.
     let body = std::panic::AssertUnwindSafe(body);
     let (context, owner) = unsafe { (pg_sys::CurrentMemoryContext, pg_sys::CurrentResourceOwner) };
+    // Like PL/pgSQL: the body allocates in the caller's memory context, but what it acquires (buffer pins, locks,
+    // relation references) belongs to the subtransaction's resource owner, so the rollback releases it. The
+    // caller's owner comes back only once the subtransaction is over.
     let restore = move || unsafe {
         pg_sys::MemoryContextSwitchTo(context);
         pg_sys::CurrentResourceOwner = owner;
     };
-    unsafe { pg_sys::BeginInternalSubTransaction(std::ptr::null()) };
-    restore();
+    unsafe {
+        pg_sys::BeginInternalSubTransaction(std::ptr::null());
+        pg_sys::MemoryContextSwitchTo(context);
+    }
     PgTryBuilder::new(|| {
         let result = body();
         unsafe { pg_sys::ReleaseCurrentSubTransaction() };

@@ -77,6 +77,15 @@ pub fn eventually(what: &str, mut done: impl FnMut() -> bool) {
     }
 }
 
+/// Fails if the server warned about a resource left open (a buffer pin, relation or lock that a rolled-back
+/// subtransaction should have released): "... reference leak ..." up to PostgreSQL 16, "resource was not closed"
+/// from 17 on.
+pub fn assert_no_resource_leaks(cluster: &Cluster) {
+    let log = cluster.log();
+    let leaks: Vec<&str> = log.lines().filter(|l| l.contains(" leak") || l.contains("was not closed")).collect();
+    assert!(leaks.is_empty(), "resources left open:\n{}", leaks.join("\n"));
+}
+
 /// A server with pg_dedup preloaded, its background workers looking after `worker_databases`, plus `extra` lines.
 pub fn preloaded(worker_databases: &str, extra: &[&str]) -> Cluster {
     let workers = format!("dedup.database = '{worker_databases}'");

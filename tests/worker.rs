@@ -83,6 +83,7 @@ fn a_mark_renewing_an_expired_id_wins_against_a_purge() {
     assert_eq!(purged, 0, "a row being renewed is skipped, not waited for");
     marker.batch_execute("COMMIT").unwrap();
     assert!(!mark(&mut setup, other), "the renewed id is live");
+    assert_no_resource_leaks(cluster());
 }
 
 #[test]
