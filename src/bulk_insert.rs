@@ -10,36 +10,31 @@
 //! same id, or a filter that was wrong), the unique index raises unique_violation — after waiting for an
 //! in-progress claim, like ON CONFLICT does — the whole attempt is undone, and the caller claims the ids the
 //! ordinary way. Tables with anything the executor would have to honour beyond the row itself (another trigger,
-//! a rule, row security, a CHECK constraint) are left to the executor.
+//! a rule, row security, a CHECK constraint, columns an owner added after `NOT OF`) are left to the executor, and
+//! so are calls of fewer than `MIN_IDS` ids and transactions already holding many subtransactions.
 
 use crate::filter;
 use crate::inbox::Inbox;
 use crate::subxact;
 use pgrx::prelude::*;
 use pgrx::PgMemoryContexts;
-use std::cell::Cell;
 
-/// Bulk inserts allowed per top-level transaction. Each one commits a subtransaction, whose xid stays in the
-/// backend's subxid cache until the transaction ends; past 64 that cache overflows and snapshots all over the
-/// cluster get slower (the classic subtransaction-overflow trap). A transaction that marks in a loop therefore
-/// gets this many, leaving room for the application's own savepoints, and the executor for the rest.
-const PER_TRANSACTION: u32 = 16;
+/// Fewer ids than this take the executor's ON CONFLICT plan: the bulk insert's subtransaction costs a second
+/// transaction id, which pays for itself only over a batch (and a mark per transaction must not double the rate
+/// at which the cluster consumes xids).
+const MIN_IDS: usize = 8;
 
-thread_local! {
-    /// (top-level transaction id, bulk inserts it has committed).
-    static SPENT: Cell<(pg_sys::TransactionId, u32)> = const { Cell::new((pg_sys::InvalidTransactionId, 0)) };
-}
+/// A bulk insert commits a subtransaction, whose xid stays in the backend's cache of subtransaction ids until the
+/// top-level transaction ends. Past 64 that cache overflows and snapshots all over the cluster get slower (the
+/// classic subtransaction-overflow trap), so the bulk insert steps aside once half of it is used, by us or by the
+/// application's own savepoints.
+const SUBXID_ROOM: u8 = 32;
 
 /// Inserts every id in `ids` (sorted, distinct) with `expires_at`, or nothing. True if they were all inserted;
-/// false if the table or the transaction needs the executor, or some id already had a row — then nothing was
-/// written.
+/// false if the call, the table or the transaction needs the executor, or some id already had a row — then
+/// nothing was written.
 pub fn insert_all(inbox: &Inbox, ids: &[String], expires_at: TimestampWithTimeZone) -> bool {
-    if ids.is_empty() {
-        return true;
-    }
-    let top = unsafe { pg_sys::GetTopTransactionIdIfAny() };
-    let (spent_by, spent) = SPENT.get();
-    if top != pg_sys::InvalidTransactionId && top == spent_by && spent >= PER_TRANSACTION {
+    if ids.len() < MIN_IDS || unsafe { cached_subxids() }.is_none_or(|n| n >= SUBXID_ROOM) {
         return false;
     }
     let rel = unsafe { pg_sys::table_open(inbox.relid, pg_sys::RowExclusiveLock as pg_sys::LOCKMODE) };
@@ -49,33 +44,58 @@ pub fn insert_all(inbox: &Inbox, ids: &[String], expires_at: TimestampWithTimeZo
             unsafe { scratch.switch_to(|_| write_rows(rel, inbox.ns, ids, expires_at)) };
         })
         .is_some();
-    if inserted {
-        // Writing gave the transaction an id if it had none: a transaction is known by it from now on.
-        let top = unsafe { pg_sys::GetTopTransactionId() };
-        SPENT.set((top, if top == spent_by { spent + 1 } else { 1 }));
-    }
     unsafe {
         pg_sys::table_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
-        // Later statements of this call (and of the transaction) must see the rows, as after any SQL insert.
-        pg_sys::CommandCounterIncrement();
+        if inserted {
+            // Later statements of this call (and of the transaction) must see the rows, as after any SQL insert.
+            pg_sys::CommandCounterIncrement();
+        }
     }
     inserted
 }
 
-/// Does writing a row need nothing but the row and its index entries? The only trigger allowed is our own filter
-/// trigger, whose work `write_rows` does itself.
+/// Subtransaction ids this backend holds in its cache, or None once the cache has overflowed.
+unsafe fn cached_subxids() -> Option<u8> {
+    #[cfg(feature = "pg13")]
+    let (count, overflowed) = ((*pg_sys::MyPgXact).nxids, (*pg_sys::MyPgXact).overflowed);
+    #[cfg(not(feature = "pg13"))]
+    let (count, overflowed) = ((*pg_sys::MyProc).subxidStatus.count, (*pg_sys::MyProc).subxidStatus.overflowed);
+    (!overflowed).then_some(count)
+}
+
+/// Does writing a row need nothing but the two values and their index entries? The table must still be the
+/// inbox row type exactly (its owner could have made it `NOT OF` and added columns with defaults), and the only
+/// trigger allowed is our own filter trigger, whose work `write_rows` does itself.
 unsafe fn only_the_row_matters(rel: pg_sys::Relation) -> bool {
     let form = &*(*rel).rd_rel;
+    let desc = pgrx::PgTupleDesc::from_pg_unchecked((*rel).rd_att);
+    let column_is = |i: usize, name: &str, type_oid: pg_sys::Oid| {
+        desc.get(i).is_some_and(|a| !a.attisdropped && a.atttypid == type_oid && a.name() == name)
+    };
     let constr = (*(*rel).rd_att).constr;
     let triggers = (*rel).trigdesc;
-    let only_ours = triggers.is_null()
-        || ((*triggers).numtriggers == 1
-            && std::ffi::CStr::from_ptr((*(*triggers).triggers).tgname).to_bytes() == b"dedup_filter");
+    let only_ours = triggers.is_null() || ((*triggers).numtriggers == 1 && is_filter_trigger(&*(*triggers).triggers));
     form.relkind == pg_sys::RELKIND_RELATION as std::ffi::c_char
+        && form.reloftype != pg_sys::InvalidOid
+        && !form.relispartition
         && !form.relrowsecurity
+        && desc.len() == 2
+        && column_is(0, "id", pg_sys::TEXTOID)
+        && column_is(1, "expires_at", pg_sys::TIMESTAMPTZOID)
+        // No CHECK constraints, defaults or generated columns (none can be added to a typed table's own columns
+        // but CHECK; the rest is belt and braces).
+        && (constr.is_null() || ((*constr).num_check == 0 && (*constr).num_defval == 0 && !(*constr).has_generated_stored))
         && (*rel).rd_rules.is_null()
-        && (constr.is_null() || (*constr).num_check == 0)
         && only_ours
+}
+
+/// Is this the `dedup_filter` trigger as created by `create_inbox()`: our function, firing always?
+unsafe fn is_filter_trigger(t: &pg_sys::Trigger) -> bool {
+    let function = pg_sys::get_func_name(t.tgfoid);
+    !function.is_null()
+        && std::ffi::CStr::from_ptr(function).to_bytes() == b"inbox_filter_trigger"
+        && std::ffi::CStr::from_ptr(t.tgname).to_bytes() == b"dedup_filter"
+        && t.tgenabled == pg_sys::TRIGGER_FIRES_ALWAYS as std::ffi::c_char
 }
 
 /// The filter bits, then one multi-insert into the heap, then each row's index entries (raising unique_violation
@@ -90,7 +110,8 @@ unsafe fn write_rows(rel: pg_sys::Relation, ns: u64, ids: &[String], expires_at:
     let estate = pg_sys::CreateExecutorState();
     let result_rel = pg_sys::palloc0(std::mem::size_of::<pg_sys::ResultRelInfo>()) as *mut pg_sys::ResultRelInfo;
     (*result_rel).type_ = pg_sys::NodeTag::T_ResultRelInfo;
-    pg_sys::InitResultRelInfo(result_rel, rel, 1, std::ptr::null_mut(), 0);
+    // Range-table index 0: there is no query, hence no range table.
+    pg_sys::InitResultRelInfo(result_rel, rel, 0, std::ptr::null_mut(), 0);
     pg_sys::ExecOpenIndices(result_rel, false);
     #[cfg(feature = "pg13")]
     {
