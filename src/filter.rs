@@ -6,7 +6,8 @@
 //!   `dedup.bloom_false_positive_rate`. Lookups read the *active* generation only.
 //! - Every key that may reach an inbox table goes into **both** generations *before* its row is written: a row
 //!   trigger on every inbox table (BEFORE INSERT OR UPDATE, `ENABLE ALWAYS`, so it also fires for COPY, restores and
-//!   logical replication) adds `NEW.id`. Rollbacks, `forget()`, TRUNCATE and expiry only leave extra bits: false
+//!   logical replication) adds `NEW.id`, and the bulk insert (bulk_insert.rs), which bypasses triggers, does the
+//!   same itself. Rollbacks, `forget()`, TRUNCATE and expiry only leave extra bits: false
 //!   positives, never false negatives.
 //! - An inbox is *trusted* in a generation only once its rows were loaded into it (a rebuild scanned the table, or
 //!   the inbox was created empty in this server's lifetime). After a restart or crash the memory is new and nothing
