@@ -135,7 +135,11 @@ fn insert(inbox: &Inbox, ids: &[String], expires_at: TimestampWithTimeZone) -> H
 fn probe(inbox: &Inbox, ids: &[String], now: TimestampWithTimeZone) -> (HashSet<String>, Vec<String>) {
     let (mut live, mut expired) = (HashSet::new(), Vec::new());
     Spi::connect(|client| {
-        for row in inbox.run(client, Stmt::Probe, &[ids.to_vec().into()]) {
+        let rows = match ids {
+            [id] => inbox.run(client, Stmt::ProbeOne, &[id.as_str().into()]),
+            _ => inbox.run(client, Stmt::Probe, &[ids.to_vec().into()]),
+        };
+        for row in rows {
             let id: String = row.get(1).ok().flatten().expect("id is NOT NULL");
             let expires: TimestampWithTimeZone = row.get(2).ok().flatten().expect("expires_at is NOT NULL");
             if expires > now {

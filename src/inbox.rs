@@ -29,6 +29,9 @@ pub enum Stmt {
     InsertMany,
     /// $1 ids → (id, expires_at) of every row visible now, live or expired.
     Probe,
+    /// The same for one id ($1 text). A plan of its own because the plan cache never settles on a generic plan for
+    /// `= ANY ($1)`, and re-planning every duplicate's lookup cost more than the lookup.
+    ProbeOne,
     /// $1 ids, $2 new expires_at, $3 now → the ids whose expired row this call renewed.
     Renew,
     /// $1 id, $2 now → a row if a live mark is visible.
@@ -42,7 +45,7 @@ pub enum Stmt {
     PurgeBatchUnlocked,
 }
 
-const STATEMENT_COUNT: usize = 8;
+const STATEMENT_COUNT: usize = 9;
 
 impl Stmt {
     fn index(self) -> usize {
@@ -61,6 +64,7 @@ impl Stmt {
             Stmt::Probe => format!(
                 "SELECT id, expires_at FROM {table} WHERE id OPERATOR(pg_catalog.=) ANY ($1)"
             ),
+            Stmt::ProbeOne => format!("SELECT id, expires_at FROM {table} WHERE id OPERATOR(pg_catalog.=) $1"),
             Stmt::Renew => format!(
                 "UPDATE {table} SET expires_at = $2 WHERE id OPERATOR(pg_catalog.=) ANY ($1) \
                  AND expires_at OPERATOR(pg_catalog.<=) $3 RETURNING id"
@@ -88,6 +92,7 @@ impl Stmt {
             Stmt::Insert => vec![TEXTOID, TIMESTAMPTZOID],
             Stmt::InsertMany => vec![TEXTARRAYOID, TIMESTAMPTZOID],
             Stmt::Probe => vec![TEXTARRAYOID],
+            Stmt::ProbeOne => vec![TEXTOID],
             Stmt::Renew => vec![TEXTARRAYOID, TIMESTAMPTZOID, TIMESTAMPTZOID],
             Stmt::Seen | Stmt::Forget => vec![TEXTOID, TIMESTAMPTZOID],
             Stmt::PurgeBatch | Stmt::PurgeBatchUnlocked => vec![TIMESTAMPTZOID, INT8OID],
