@@ -231,7 +231,13 @@ pub extern "C-unwind" fn pg_dedup_worker_main(arg: pg_sys::Datum) {
                 purge_cycle(slot);
             }
         }
-        let until_purge = last_purge.map_or(Duration::ZERO, |t| interval.saturating_sub(t.elapsed()));
+        // Wake for the next purge or the next look at the filter, whichever comes first (with purging off, only
+        // the latter: before, an idle worker with `dedup.purge = off` woke every 10 ms).
+        let until_purge = match (guc::PURGE.get(), last_purge) {
+            (false, _) => NAP,
+            (true, None) => Duration::ZERO,
+            (true, Some(t)) => interval.saturating_sub(t.elapsed()),
+        };
         if !BackgroundWorker::wait_latch(Some(until_purge.clamp(Duration::from_millis(10), NAP))) {
             // Terminated: the launcher notices and starts a new worker (unless the database left the list).
             slot.pid.store(0, Ordering::Release);
