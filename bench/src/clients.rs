@@ -63,9 +63,6 @@ pub fn raw_sql(table: &str) -> impl Fn(&str) -> String + '_ {
     }
 }
 
-/// 1,000 new ids per transaction.
-const BATCH: &str = "array(SELECT 'evt-' || :r || '-' || g FROM generate_series(1, 1000) g)";
-
 /// Row "A vs B" from two measured sides, with their WAL per id when both have it.
 pub fn row(
     scenario: String,
@@ -80,19 +77,36 @@ pub fn row(
     }
 }
 
+/// The scenarios' shared parts: the connection, pgbench, the scale and the scripts' building blocks.
+struct Bench<'a> {
+    c: &'a mut Client,
+    pgbench: &'a Pgbench,
+    scale: &'a Scale,
+}
+
+impl Bench<'_> {
+    fn setting(&self, clients: u32, commit: Commit) -> Setting {
+        Setting { clients, commit, secs: self.scale.run_secs, rounds: self.scale.rounds }
+    }
+
+    /// A side running one id per transaction, `statement` with `duplicates`% duplicate ids.
+    fn one_id(&self, name: &str, statement: &dyn Fn(&str) -> String, duplicates: u32) -> Side<'static> {
+        let text = one_id_script(statement, duplicates, self.scale.duplicate_ids);
+        Side::Sql { script: self.pgbench.script(name, &text), ids: 1 }
+    }
+}
+
 pub fn scenarios(c: &mut Client, pgbench: &Pgbench, cluster_dir: &Path, scale: &Scale) -> Vec<Row> {
-    let preloaded = scale.duplicate_ids;
     raw_twin(c, "dedup.inbox_default", "bench_raw");
     for table in ["dedup.inbox_default", "bench_raw"] {
         c.batch_execute(&format!(
-            "INSERT INTO {table} (id, expires_at) SELECT 'dup-' || g, now() + interval '30 days' FROM generate_series(1, {preloaded}) g"
+            "INSERT INTO {table} (id, expires_at) SELECT 'dup-' || g, now() + interval '30 days' \
+             FROM generate_series(1, {}) g",
+            scale.duplicate_ids
         ))
         .unwrap();
     }
     settle(c, &["dedup.inbox_default", "bench_raw"]);
-
-    let (mark, raw) = (mark_sql("default"), raw_sql("bench_raw"));
-    let sql = |name: &str, text: String| Side::Sql { script: pgbench.script(name, &text), ids: 1 };
     let redis = crate::redis::version().map(|_| [Redis::start(Durability::None), Redis::start(Durability::Fsync)]);
     if redis.is_none() {
         eprintln!(
@@ -100,36 +114,44 @@ pub fn scenarios(c: &mut Client, pgbench: &Pgbench, cluster_dir: &Path, scale: &
              (`apt-get install redis-server redis-tools`, or scripts/setup.sh)"
         );
     }
-    let setting = |clients, commit| Setting { clients, commit, secs: scale.run_secs, rounds: scale.rounds };
-    let mut rows = Vec::new();
+    let mut b = Bench { c, pgbench, scale };
+    let (mut rows, wal_new) = single_marks(&mut b, cluster_dir, redis.as_ref());
+    let (duplicates, wal_duplicate) = duplicates(&mut b);
+    rows.extend(duplicates);
+    rows.extend(batches(&mut b));
+    rows.push(wal_new);
+    rows.extend(wal_duplicate);
+    rows
+}
 
-    // (a) One new id per transaction, at each client count and both synchronous_commit settings, with the extra
-    // sides that only make sense at some of them, run in the same rounds.
-    let mut wal_rows = Vec::new();
-    for (commit, client_counts) in [(Commit::Async, &scale.clients_async), (Commit::Sync, &scale.clients_sync)] {
+/// (a) One new id per transaction, at each client count and both synchronous_commit settings, with the sides
+/// that only make sense at some of them run in the same rounds: the ceiling (`SELECT 1`) at 1 client sync off,
+/// the disk's flush rate at 1 client sync on, Redis at matching durability. Also returns the WAL per new mark.
+fn single_marks(b: &mut Bench, cluster_dir: &Path, redis: Option<&[Redis; 2]>) -> (Vec<Row>, Row) {
+    let (mark, raw) = (mark_sql("default"), raw_sql("bench_raw"));
+    let mut rows = Vec::new();
+    let mut wal = None;
+    for (commit, client_counts) in [(Commit::Async, &b.scale.clients_async), (Commit::Sync, &b.scale.clients_sync)] {
         for &clients in client_counts {
-            let mut sides = vec![
-                sql("mark_new", one_id_script(&mark, 0, preloaded)),
-                sql("raw_new", one_id_script(&raw, 0, preloaded)),
-            ];
+            let mut sides = vec![b.one_id("mark_new", &mark, 0), b.one_id("raw_new", &raw, 0)];
             let ceiling = clients == 1 && commit == Commit::Async;
             if ceiling {
-                sides.push(sql("select_1", "SELECT 1;\n".into()));
+                sides.push(Side::Sql { script: b.pgbench.script("select_1", "SELECT 1;\n"), ids: 1 });
             }
             let flush_rate = clients == 1 && commit == Commit::Sync;
             if flush_rate {
                 sides.push(Side::Fsync(cluster_dir.join("pg_test_fsync.tmp")));
             }
-            let redis = redis.as_ref().filter(|_| scale.clients_redis.contains(&clients)).map(|r| match commit {
+            let redis_side = redis.filter(|_| b.scale.clients_redis.contains(&clients)).map(|r| match commit {
                 Commit::Async => &r[0],
                 Commit::Sync => &r[1],
             });
-            if let Some(redis) = redis {
+            if let Some(redis) = redis_side {
                 sides.push(Side::Redis(redis));
             }
-            let at = setting(clients, commit);
-            let m = compare(c, pgbench, &at, &sides);
-            let at = at.label();
+            let setting = b.setting(clients, commit);
+            let m = compare(b.c, b.pgbench, &setting, &sides);
+            let at = setting.label();
             let mut single =
                 row(format!("mark() of a new id per tx, {at}"), ("mark", &m[0]), ("raw insert", &m[1]), "tx/s");
             if commit == Commit::Async && SINGLE_GOAL_CLIENTS.contains(&clients) {
@@ -143,15 +165,9 @@ pub fn scenarios(c: &mut Client, pgbench: &Pgbench, cluster_dir: &Path, scale: &
                     ("raw insert", &m[1]),
                     "tx/s",
                 ));
-                wal_rows.push(
-                    Row::new(
-                        "WAL per new mark",
-                        ("mark", m[0].wal_per_id.unwrap()),
-                        ("raw insert", m[1].wal_per_id.unwrap()),
-                        "B/id",
-                    )
-                    .goal(Goal::AtMost(1.0)),
-                );
+                let (a, b) = (m[0].wal_per_id.unwrap(), m[1].wal_per_id.unwrap());
+                wal =
+                    Some(Row::new("WAL per new mark", ("mark", a), ("raw insert", b), "B/id").goal(Goal::AtMost(1.0)));
             }
             if flush_rate {
                 rows.push(
@@ -164,7 +180,7 @@ pub fn scenarios(c: &mut Client, pgbench: &Pgbench, cluster_dir: &Path, scale: &
                     .goal(Goal::AtLeast(0.9)),
                 );
             }
-            if redis.is_some() {
+            if redis_side.is_some() {
                 let what = match commit {
                     Commit::Async => "no persistence",
                     Commit::Sync => "appendfsync always",
@@ -178,58 +194,63 @@ pub fn scenarios(c: &mut Client, pgbench: &Pgbench, cluster_dir: &Path, scale: &
             }
         }
     }
+    (rows, wal.expect("the single-mark scenarios include 1 client, sync off"))
+}
 
-    // (b) Duplicates: a share of the ids (20%, 100%) is already marked, and already in bench_raw.
-    for &clients in &scale.clients_duplicates {
-        let sides: Vec<Side> = (scale.duplicate_shares.iter())
+/// (b) Duplicates: a share of the ids (20%, 100%) is already marked, and already in bench_raw; sync off. Also
+/// returns the WAL per duplicate (at 100%, at the first client count).
+fn duplicates(b: &mut Bench) -> (Vec<Row>, Option<Row>) {
+    let (mark, raw) = (mark_sql("default"), raw_sql("bench_raw"));
+    let mut rows = Vec::new();
+    let mut wal = None;
+    for &clients in &b.scale.clients_duplicates {
+        let shares = &b.scale.duplicate_shares;
+        let sides: Vec<Side> = (shares.iter())
             .flat_map(|&pct| {
-                [
-                    sql(&format!("mark_dup{pct}"), one_id_script(&mark, pct, preloaded)),
-                    sql(&format!("raw_dup{pct}"), one_id_script(&raw, pct, preloaded)),
-                ]
+                [b.one_id(&format!("mark_dup{pct}"), &mark, pct), b.one_id(&format!("raw_dup{pct}"), &raw, pct)]
             })
             .collect();
-        let at = setting(clients, Commit::Async);
-        let m = compare(c, pgbench, &at, &sides);
-        let at = at.label();
-        for (pair, &pct) in m.chunks(2).zip(&scale.duplicate_shares) {
+        let setting = b.setting(clients, Commit::Async);
+        let m = compare(b.c, b.pgbench, &setting, &sides);
+        let at = setting.label();
+        for (pair, &pct) in m.chunks(2).zip(shares) {
             rows.push(row(
                 format!("mark(), {pct}% duplicates, {at}"),
                 ("mark", &pair[0]),
                 ("raw insert", &pair[1]),
                 "tx/s",
             ));
-            if pct == 100 && clients == scale.clients_duplicates[0] {
-                wal_rows.push(
-                    Row::new(
-                        "WAL per duplicate",
-                        ("mark", pair[0].wal_per_id.unwrap()),
-                        ("raw insert", pair[1].wal_per_id.unwrap()),
-                        "B/id",
-                    )
-                    .goal(Goal::Zero),
-                );
+            if pct == 100 && wal.is_none() {
+                let (a, b) = (pair[0].wal_per_id.unwrap(), pair[1].wal_per_id.unwrap());
+                wal = Some(Row::new("WAL per duplicate", ("mark", a), ("raw insert", b), "B/id").goal(Goal::Zero));
             }
         }
     }
+    (rows, wal)
+}
 
-    // (c) Batches of 1,000 new ids per transaction.
+/// (c) Batches of 1,000 new ids per transaction, sync off: mark_many() against INSERT ... SELECT FROM unnest().
+fn batches(b: &mut Bench) -> Vec<Row> {
+    let new_ids = "array(SELECT 'evt-' || :r || '-' || g FROM generate_series(1, 1000) g)";
     let mark_many = format!(
-        "\\set r random(1, 1000000000000000)\nSELECT count(*) FROM dedup.mark_many({BATCH}, interval '3 days');\n"
+        "\\set r random(1, 1000000000000000)\nSELECT count(*) FROM dedup.mark_many({new_ids}, interval '3 days');\n"
     );
     let unnest = format!(
-        "\\set r random(1, 1000000000000000)\nWITH ins AS (INSERT INTO bench_raw (id, expires_at) SELECT u, now() + interval '3 days' \
-         FROM unnest({BATCH}) u ON CONFLICT DO NOTHING RETURNING id) SELECT count(*) FROM ins;\n"
+        "\\set r random(1, 1000000000000000)\nWITH ins AS (INSERT INTO bench_raw (id, expires_at) \
+         SELECT u, now() + interval '3 days' FROM unnest({new_ids}) u ON CONFLICT DO NOTHING RETURNING id) \
+         SELECT count(*) FROM ins;\n"
     );
-    let batch = |name: &str, text: &str| Side::Sql { script: pgbench.script(name, text), ids: 1000 };
-    let sides = [batch("mark_many", &mark_many), batch("unnest", &unnest)];
-    for &clients in &scale.clients_batches {
-        let at = setting(clients, Commit::Async);
-        let m = compare(c, pgbench, &at, &sides);
-        let at = at.label();
+    let sides = [
+        Side::Sql { script: b.pgbench.script("mark_many", &mark_many), ids: 1000 },
+        Side::Sql { script: b.pgbench.script("unnest", &unnest), ids: 1000 },
+    ];
+    let mut rows = Vec::new();
+    for &clients in &b.scale.clients_batches {
+        let setting = b.setting(clients, Commit::Async);
+        let m = compare(b.c, b.pgbench, &setting, &sides);
         rows.push(
             row(
-                format!("mark_many() of 1,000 new ids per tx, {at}"),
+                format!("mark_many() of 1,000 new ids per tx, {}", setting.label()),
                 ("mark_many", &m[0]),
                 ("unnest insert", &m[1]),
                 "ids/s",
@@ -237,6 +258,5 @@ pub fn scenarios(c: &mut Client, pgbench: &Pgbench, cluster_dir: &Path, scale: &
             .goal(Goal::AtLeast(1.5)),
         );
     }
-    rows.extend(wal_rows);
     rows
 }
