@@ -1,5 +1,5 @@
-//! The machine a run was measured on, written beside the results: ratios travel between machines better than
-//! absolute figures, but both mean more with the machine named.
+//! The machine a run was measured on (and the commit), written beside the results: ratios travel between
+//! machines better than absolute figures, but both mean more with the machine named.
 
 use crate::Scale;
 use pg_dedup_harness::postgres::Client;
@@ -35,6 +35,12 @@ pub fn describe(c: &mut Client, quick: bool, scale: &Scale) -> Machine {
         ("postgresql", c.query_one("SHOW server_version", &[]).unwrap().get(0)),
         ("redis", crate::redis::version().unwrap_or_else(|| "not installed".into())),
         ("date", command("date", &["-u", "+%Y-%m-%dT%H:%M:%SZ"]).unwrap_or_else(unknown)),
+        // The code measured: the checkout make bench built and installed the extension from.
+        (
+            "commit",
+            command("git", &["-C", env!("CARGO_MANIFEST_DIR"), "describe", "--always", "--dirty"])
+                .unwrap_or_else(unknown),
+        ),
         ("mode", if quick { "quick (BENCH_QUICK=1)" } else { "full" }.into()),
         ("rounds", format!("medians of {} alternating rounds, {} s per client-side run", scale.rounds, scale.run_secs)),
     ]

@@ -36,7 +36,8 @@ fn field<'a>(machine: &'a Machine, name: &str) -> &'a str {
 
 pub fn print(rows: &[Row], machine: &Machine) {
     println!(
-        "\npg_dedup benchmark — PostgreSQL {}, {} mode, {}\n",
+        "\npg_dedup {} benchmark — PostgreSQL {}, {} mode, {}\n",
+        field(machine, "commit"),
         field(machine, "postgresql"),
         field(machine, "mode"),
         field(machine, "rounds")
