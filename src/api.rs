@@ -34,7 +34,8 @@ fn trusted_filter(inbox: &Inbox) -> Option<Trusted> {
 /// The ids the filter cannot rule out ("maybe"), or None when there is no filter to ask.
 fn suspects<'a>(inbox: &Inbox, ids: &'a [String]) -> Option<HashSet<&'a str>> {
     let filter = trusted_filter(inbox)?;
-    let suspects: HashSet<&str> = ids.iter().map(String::as_str).filter(|id| filter.may_contain(id)).collect();
+    let maybe = filter.maybe(ids);
+    let suspects: HashSet<&str> = ids.iter().zip(maybe).filter(|(_, m)| *m).map(|(id, _)| id.as_str()).collect();
     inbox.count(Counter::Lookups, ids.len() as u64);
     inbox.count(Counter::CertainlyNew, (ids.len() - suspects.len()) as u64);
     Some(suspects)

@@ -104,9 +104,7 @@ unsafe fn write_rows(rel: pg_sys::Relation, ns: u64, ids: &[String], expires_at:
     // What the filter trigger does for the executor: take the transaction id, then set the bits, before any row
     // exists (see filter.rs: a rotation finds every writer by its transaction id).
     pg_sys::GetCurrentTransactionId();
-    for id in ids {
-        filter::add(ns, id);
-    }
+    filter::add(ns, ids);
     let estate = pg_sys::CreateExecutorState();
     let result_rel = pg_sys::palloc0(std::mem::size_of::<pg_sys::ResultRelInfo>()) as *mut pg_sys::ResultRelInfo;
     (*result_rel).type_ = pg_sys::NodeTag::T_ResultRelInfo;

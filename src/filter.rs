@@ -33,13 +33,19 @@ pub fn is_preloaded() -> bool {
     region().is_some()
 }
 
-/// Adds a key to both generations. Called for every row written to an inbox table, before it is written.
-pub fn add(ns: u64, id: &str) {
+/// Adds keys to both generations. Called for every row written to an inbox table, before it is written.
+pub fn add<S: AsRef<str>>(ns: u64, ids: &[S]) {
     if let Some(h) = region() {
-        let hash = pg_dedup_bloom::hash_key(ns, id.as_bytes());
-        generation(h, 0).insert(hash);
-        generation(h, 1).insert(hash);
+        let (first, second) = (generation(h, 0), generation(h, 1));
+        pg_dedup_bloom::for_each_prefetched(&[&first, &second], &hashes(ns, ids), |_, hash| {
+            first.insert(hash);
+            second.insert(hash);
+        });
     }
+}
+
+fn hashes<S: AsRef<str>>(ns: u64, ids: &[S]) -> Vec<u64> {
+    ids.iter().map(|id| pg_dedup_bloom::hash_key(ns, id.as_ref().as_bytes())).collect()
 }
 
 /// A filter that can answer for one inbox right now, or None (not preloaded, switched off, standby, not loaded).
@@ -64,11 +70,26 @@ impl Trusted {
 
     /// False: certainly never marked. True: maybe.
     pub fn may_contain(&self, id: &str) -> bool {
-        if generation(self.header, self.gen).may_contain(pg_dedup_bloom::hash_key(self.ns, id.as_bytes())) {
-            return true;
+        generation(self.header, self.gen).may_contain(pg_dedup_bloom::hash_key(self.ns, id.as_bytes()))
+            || self.cleared_meanwhile()
+    }
+
+    /// `may_contain` of each id, the lookups' cache misses overlapped.
+    pub fn maybe<S: AsRef<str>>(&self, ids: &[S]) -> Vec<bool> {
+        let filter = generation(self.header, self.gen);
+        let mut maybe = vec![false; ids.len()];
+        pg_dedup_bloom::for_each_prefetched(&[&filter], &hashes(self.ns, ids), |i, hash| {
+            maybe[i] = filter.may_contain(hash);
+        });
+        if maybe.contains(&false) && self.cleared_meanwhile() {
+            maybe.fill(true);
         }
-        // "No" counts only if this generation was not cleared meanwhile (a rotation bumps the epoch before it
-        // clears, and the fences order that bump before any cleared word we may have read).
+        maybe
+    }
+
+    /// Was this generation cleared since we trusted it? Then its "no" answers count for nothing. (A rotation
+    /// bumps the epoch before it clears, and the fences order that bump before any cleared word we may have read.)
+    fn cleared_meanwhile(&self) -> bool {
         std::sync::atomic::fence(Ordering::SeqCst);
         self.header.epoch[self.gen].load(Ordering::Acquire) != self.epoch
     }
@@ -267,7 +288,7 @@ fn inbox_filter_trigger<'a>(
                 // The row is about to be written, which takes a transaction id anyway; taking it before the bits
                 // are set is what lets a rotation find, and wait for, every transaction whose bits it may clear.
                 unsafe { pg_sys::GetCurrentTransactionId() };
-                add(namespace(relid), id);
+                add(namespace(relid), &[id]);
             }
         }
     }
