@@ -1,0 +1,99 @@
+//! Extension upgrades: the install script of every earlier release (sql/releases/) still installs, its marks
+//! survive `ALTER EXTENSION pg_dedup UPDATE`, and the upgraded database ends up with exactly the objects of a fresh
+//! install of the current version — so a change to the SQL surface without an upgrade script fails here.
+
+use pg_dedup_harness::postgres::Client;
+use pg_dedup_tests::*;
+
+/// A fresh database with pg_dedup at `version`.
+fn database_at(name: &str, version: &str) -> Client {
+    let mut c = db(name);
+    c.batch_execute(&format!("DROP EXTENSION pg_dedup; CREATE EXTENSION pg_dedup VERSION '{version}'")).unwrap();
+    c
+}
+
+fn installed_version(c: &mut Client) -> String {
+    c.query_one("SELECT extversion FROM pg_extension WHERE extname = 'pg_dedup'", &[]).unwrap().get(0)
+}
+
+/// Everything a database's pg_dedup consists of, one line per object and property, sorted.
+fn surface(c: &mut Client) -> Vec<String> {
+    c.query(
+        "SELECT pg_describe_object(d.classid, d.objid, 0) FROM pg_depend d JOIN pg_extension e ON d.refobjid = e.oid
+          WHERE e.extname = 'pg_dedup' AND d.deptype = 'e'
+         UNION ALL
+         SELECT format('%s -> %s [%s] volatile=%s parallel=%s secdef=%s strict=%s acl=%s', p.oid::regprocedure,
+                       pg_get_function_result(p.oid), p.prosrc, p.provolatile, p.proparallel, p.prosecdef,
+                       p.proisstrict, p.proacl)
+           FROM pg_proc p WHERE p.pronamespace = 'dedup'::regnamespace
+         UNION ALL
+         SELECT format('%s %s (%s) acl=%s options=%s', c.relkind, c.oid::regclass,
+                       (SELECT string_agg(a.attname || ' ' || format_type(a.atttypid, a.atttypmod)
+                                          || coalesce(' collate ' || co.collname, ''), ', ' ORDER BY a.attnum)
+                          FROM pg_attribute a LEFT JOIN pg_collation co ON co.oid = a.attcollation
+                                                                        AND a.attcollation <> 100
+                         WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped),
+                       c.relacl, c.reloptions)
+           FROM pg_class c WHERE c.relnamespace = 'dedup'::regnamespace
+         UNION ALL
+         SELECT 'view ' || v.oid::regclass || ': ' || pg_get_viewdef(v.oid)
+           FROM pg_class v WHERE v.relnamespace = 'dedup'::regnamespace AND v.relkind = 'v'
+         UNION ALL
+         SELECT pg_get_triggerdef(t.oid) || ' enabled=' || t.tgenabled::text FROM pg_trigger t
+           JOIN pg_class c ON c.oid = t.tgrelid WHERE c.relnamespace = 'dedup'::regnamespace AND NOT t.tgisinternal
+         UNION ALL
+         SELECT 'schema acl ' || coalesce(nspacl::text, '') FROM pg_namespace WHERE nspname = 'dedup'
+         UNION ALL
+         SELECT 'dumped ' || coalesce(extconfig::regclass[]::text, '') || ' where ' || coalesce(extcondition::text, '')
+           FROM pg_extension WHERE extname = 'pg_dedup'
+         ORDER BY 1",
+        &[],
+    )
+    .unwrap()
+    .iter()
+    .map(|r| r.get(0))
+    .collect()
+}
+
+#[test]
+fn every_earlier_release_upgrades_keeping_its_marks_and_ends_up_like_a_fresh_install() {
+    let mut fresh = db("upgrade_fresh");
+    let current = installed_version(&mut fresh);
+    let earlier: Vec<String> = fresh
+        .query(
+            "SELECT version FROM pg_available_extension_versions WHERE name = 'pg_dedup' AND version <> $1 ORDER BY 1",
+            &[&current],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert!(earlier.contains(&"0.1.0".to_owned()), "the 0.1.0 install script is installed: {earlier:?}");
+    let expected = surface(&mut fresh);
+    let ids: Vec<String> = (0..500).map(|i| format!("order-{i}-created")).collect();
+    for version in &earlier {
+        let name = format!("upgrade_from_{}", version.replace('.', "_"));
+        let mut c = database_at(&name, version);
+        assert_eq!(&installed_version(&mut c), version);
+        c.batch_execute("SELECT dedup.create_inbox('orders', '7 days')").unwrap();
+        assert_eq!(c.query("SELECT * FROM dedup.mark_many($1)", &[&ids]).unwrap().len(), 500);
+        assert!(c.query_one("SELECT dedup.mark('o-1', NULL, 'orders')", &[]).unwrap().get::<_, bool>(0));
+
+        c.batch_execute("ALTER EXTENSION pg_dedup UPDATE").unwrap();
+        assert_eq!(installed_version(&mut c), current, "updated from {version}");
+        assert!(c.query("SELECT * FROM dedup.mark_many($1)", &[&ids]).unwrap().is_empty(), "marks kept from {version}");
+        assert!(!c.query_one("SELECT dedup.mark('o-1', NULL, 'orders')", &[]).unwrap().get::<_, bool>(0));
+        assert!(mark(&mut c, "after-the-upgrade"));
+        let ttl: String =
+            c.query_one("SELECT default_ttl::text FROM dedup.inboxes WHERE name = 'orders'", &[]).unwrap().get(0);
+        assert_eq!(ttl, "7 days");
+        // Compare with a fresh install, leaving out the inbox this test created.
+        let upgraded: Vec<String> = surface(&mut c).into_iter().filter(|l| !l.contains("inbox_orders")).collect();
+        let only_upgraded: Vec<_> = upgraded.iter().filter(|l| !expected.contains(l)).collect();
+        let only_fresh: Vec<_> = expected.iter().filter(|l| !upgraded.contains(l)).collect();
+        assert!(
+            only_upgraded.is_empty() && only_fresh.is_empty(),
+            "after upgrading from {version}, not as in a fresh install:\n{only_upgraded:#?}\nmissing:\n{only_fresh:#?}"
+        );
+    }
+}
