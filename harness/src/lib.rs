@@ -142,15 +142,34 @@ impl Cluster {
     }
 
     fn pg_ctl_start(&self) {
+        check(self.try_pg_ctl_start(), "pg_ctl start");
+    }
+
+    fn try_pg_ctl_start(&self) -> Output {
         let log = self.dir.join("server.log");
-        check(
-            run_as_owner(
-                &self.bindir.join("pg_ctl"),
-                &["-D", self.data_dir().to_str().unwrap(), "-l", log.to_str().unwrap(), "-w", "-t", "60", "start"],
-            ),
-            "pg_ctl start",
+        let out = run_as_owner(
+            &self.bindir.join("pg_ctl"),
+            &["-D", self.data_dir().to_str().unwrap(), "-l", log.to_str().unwrap(), "-w", "-t", "60", "start"],
         );
-        self.running.store(true, Ordering::SeqCst);
+        self.running.store(out.status.success(), Ordering::SeqCst);
+        out
+    }
+
+    /// Kills the postmaster with SIGKILL — to Postgres, the same as the machine losing power — and starts the
+    /// server again, which replays the WAL (crash recovery). Returns once it accepts connections.
+    pub fn crash_postmaster(&self) {
+        let pid_file = std::fs::read_to_string(self.data_dir().join("postmaster.pid")).expect("postmaster.pid");
+        let pid = pid_file.lines().next().expect("a pid").trim().to_owned();
+        let killed = Command::new("kill").args(["-9", &pid]).status().expect("run kill");
+        assert!(killed.success(), "kill -9 {pid} failed");
+        self.running.store(false, Ordering::SeqCst);
+        // Orphaned backends leave once they notice the postmaster is gone; until then the old shared memory is
+        // in use and a new postmaster refuses to start.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while !self.try_pg_ctl_start().status.success() {
+            assert!(std::time::Instant::now() < deadline, "the server did not start after the crash:\n{}", self.log());
+            std::thread::sleep(std::time::Duration::from_millis(200));
+        }
     }
 
     /// The cluster's own directory: its unix socket (the `host` to connect to) and its data directory live here.
@@ -178,6 +197,11 @@ impl Cluster {
 
     pub fn connect(&self, db: &str) -> Client {
         self.connect_as(db, "postgres")
+    }
+
+    /// A connection as `postgres`, or the error (for clients that race a crash).
+    pub fn try_connect(&self, db: &str) -> Result<Client, postgres::Error> {
+        Client::connect(&self.conn_string(db, "postgres"), NoTls)
     }
 
     /// Creates database `name` with pg_dedup installed; each test gets its own, so tests run side by side.
