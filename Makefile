@@ -1,6 +1,7 @@
 # pg_dedup — the two commands of the quick start, and their parts.
 #   make demo    the main job: a live at-least-once replay on a throwaway local Postgres
 #   make test    the whole suite on every supported major (PG_VERSIONS=15 make test to narrow)
+#   make test-long  the long reliability runs (the full-size race storm)
 #   make bench   benchmarks against baselines measured in the same run (BENCH_QUICK=1 for a short run)
 # Both run scripts/setup.sh first: it installs what is missing (apt packages, cargo-pgrx, PostgreSQL 13 and 18
 # built from source) and does nothing when everything is in place.
@@ -13,7 +14,12 @@ export CARGO_TARGET_DIR ?= $(PG_DEDUP_CACHE)/target
 # rustup installs cargo (and cargo-pgrx) here; CI's environment may not have it on PATH.
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 
-.PHONY: setup demo test install bench
+# The long reliability runs: the race storm at full size, 16 sessions x 200,000 calls (about 5 minutes per major).
+test-long: export STORM_MARKS = 200000
+test-long: TESTS = --test storm
+test-long: test
+
+.PHONY: setup demo test test-long install bench
 setup:
 	@scripts/setup.sh
 
@@ -30,7 +36,7 @@ test: setup
 	@for v in $(PG_VERSIONS); do \
 	  echo "== PostgreSQL $$v"; \
 	  scripts/pg.sh install_extension $$v || exit 1; \
-	  PG_CONFIG=$$(scripts/pg.sh pg_config_for $$v) cargo test -q -p pg_dedup_tests -- --test-threads=4 || exit 1; \
+	  PG_CONFIG=$$(scripts/pg.sh pg_config_for $$v) cargo test -q -p pg_dedup_tests $(TESTS) -- --test-threads=4 --nocapture || exit 1; \
 	done
 
 # Benchmarks (optimised build of the extension) against hand-written SQL, pg_test_fsync and Redis; BENCH_QUICK=1 for
