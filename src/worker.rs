@@ -109,6 +109,9 @@ pub extern "C-unwind" fn pg_dedup_launcher_main(_arg: pg_sys::Datum) {
         for name in unserved {
             let oid = in_transaction("looking up a database", || database_oid(name)).flatten();
             match oid {
+                // A worker an earlier launcher started (before a pg_terminate_backend of the launcher) still serves
+                // it: starting another would only see that worker and leave, again every second.
+                Some(oid) if worker_serving(oid) => {}
                 Some(oid) => {
                     told_missing.remove(name);
                     match start_worker(name, oid) {
@@ -173,6 +176,11 @@ fn start_worker(name: &str, oid: pg_sys::Oid) -> Result<DynamicBackgroundWorker,
         .enable_spi_access()
         .set_notify_pid(unsafe { pg_sys::MyProcPid })
         .load_dynamic()
+}
+
+/// Is a worker recorded in `db`'s slot alive?
+fn worker_serving(db: pg_sys::Oid) -> bool {
+    shmem::region().and_then(|r| r.worker_slot(db, false)).is_some_and(|slot| serving(slot.pid.load(Ordering::Acquire), db))
 }
 
 /// Is `pid` a live server process connected to database `db` (the worker recorded in a slot)? Looking in the

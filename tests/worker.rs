@@ -13,8 +13,14 @@ fn purging(databases: &str, extra: &[&str]) -> Cluster {
     preloaded(databases, &conf)
 }
 
+/// The pid of the worker serving `db`. A worker started while another still serves the database sees it and
+/// leaves at once, so two may show for a moment: the one that stays is the older.
 fn worker_pid(c: &mut Client, db: &str) -> Option<i32> {
-    c.query_opt("SELECT pid FROM pg_stat_activity WHERE backend_type = 'pg_dedup worker' AND datname = $1", &[&db])
+    c.query_opt(
+        "SELECT pid FROM pg_stat_activity WHERE backend_type = 'pg_dedup worker' AND datname = $1
+         ORDER BY backend_start LIMIT 1",
+        &[&db],
+    )
         .unwrap()
         .map(|r| r.get(0))
 }
