@@ -101,9 +101,7 @@ unsafe fn is_filter_trigger(t: &pg_sys::Trigger) -> bool {
 /// The filter bits, then one multi-insert into the heap, then each row's index entries (raising unique_violation
 /// for an id that exists).
 unsafe fn write_rows(rel: pg_sys::Relation, ns: u64, ids: &[String], expires_at: TimestampWithTimeZone) {
-    // What the filter trigger does for the executor: take the transaction id, then set the bits, before any row
-    // exists (see filter.rs: a rotation finds every writer by its transaction id).
-    pg_sys::GetCurrentTransactionId();
+    // What the filter trigger does for the executor: the bits, before any row exists.
     filter::add(ns, ids);
     let estate = pg_sys::CreateExecutorState();
     let result_rel = pg_sys::palloc0(std::mem::size_of::<pg_sys::ResultRelInfo>()) as *mut pg_sys::ResultRelInfo;

@@ -15,7 +15,7 @@
 //!   the inbox. A hot standby never trusts the filter (its rows arrive by WAL replay, past the trigger).
 //! - Expiry: marks expire but bits cannot be removed. When the active generation's measured false-positive rate
 //!   drifts above target, a rotation clears the other generation, waits for every transaction holding a
-//!   transaction id (the trigger takes one before setting bits, so these are all that may have set bits in the
+//!   transaction id (`add` takes one before setting bits, so these are all that may have set bits in the
 //!   cleared memory), reloads every inbox through a snapshot taken after that wait, and makes it active. Inboxes
 //!   the rotation did not load (other databases) fall back to the index until loaded.
 
@@ -33,9 +33,13 @@ pub fn is_preloaded() -> bool {
     region().is_some()
 }
 
-/// Adds keys to both generations. Called for every row written to an inbox table, before it is written.
+/// Adds keys to both generations. Called for every row written to an inbox table, before it is written (by the
+/// filter trigger, and by the bulk insert, which bypasses triggers).
 pub fn add<S: AsRef<str>>(ns: u64, ids: &[S]) {
     if let Some(h) = region() {
+        // The rows are about to be written, which takes a transaction id anyway; taking it before the bits are set
+        // is what lets a rotation find, and wait for, every transaction whose bits it may clear.
+        unsafe { pg_sys::GetCurrentTransactionId() };
         let (first, second) = (generation(h, 0), generation(h, 1));
         pg_dedup_bloom::for_each_prefetched(&[&first, &second], &hashes(ns, ids), |_, hash| {
             first.insert(hash);
@@ -285,9 +289,6 @@ fn inbox_filter_trigger<'a>(
         if let Some(tuple) = &new {
             let id_column = std::num::NonZeroUsize::new(1).expect("1 is not zero");
             if let (Ok(Some(id)), Ok(relid)) = (tuple.get_by_index::<&str>(id_column), trigger.relid()) {
-                // The row is about to be written, which takes a transaction id anyway; taking it before the bits
-                // are set is what lets a rotation find, and wait for, every transaction whose bits it may clear.
-                unsafe { pg_sys::GetCurrentTransactionId() };
                 add(namespace(relid), &[id]);
             }
         }
