@@ -10,9 +10,7 @@ use pg_dedup_tests::*;
 fn server(db: &str) -> (Cluster, Client) {
     let cluster = preloaded(db, &["track_functions = 'all'"]);
     let mut client = cluster.fresh_db(db);
-    eventually("the default inbox is trusted", || {
-        client.query_one("SELECT filter_trusted FROM dedup.stats WHERE inbox = 'default'", &[]).unwrap().get(0)
-    });
+    wait_trusted(&mut client, "default");
     (cluster, client)
 }
 

@@ -77,6 +77,16 @@ pub fn eventually(what: &str, mut done: impl FnMut() -> bool) {
     }
 }
 
+/// Does the shared filter answer for `inbox` (preloaded servers)?
+pub fn trusted(c: &mut Client, inbox: &str) -> bool {
+    c.query_one("SELECT filter_trusted FROM dedup.stats WHERE inbox = $1", &[&inbox]).unwrap().get(0)
+}
+
+/// Waits until the filter answers for `inbox`: the worker has loaded it (after a start, restart or crash).
+pub fn wait_trusted(c: &mut Client, inbox: &str) {
+    eventually(&format!("the worker loads inbox {inbox}"), || trusted(c, inbox));
+}
+
 /// Fails if the server warned about a resource left open (a buffer pin, relation or lock that a rolled-back
 /// subtransaction should have released): "... reference leak ..." up to PostgreSQL 16, "resource was not closed"
 /// from 17 on.

@@ -87,9 +87,7 @@ fn killing_the_postmaster_or_a_backend_mid_load_loses_and_doubles_nothing() {
         let committed = committed_total.lock().unwrap().clone();
         let lost: Vec<_> = committed.difference(&marks).take(5).collect();
         assert!(lost.is_empty(), "round {round}: committed transactions lost: {lost:?}");
-        eventually("the worker reloads the filter", || {
-            c.query_one("SELECT filter_trusted FROM dedup.stats WHERE inbox = 'default'", &[]).unwrap().get(0)
-        });
+        wait_trusted(&mut c, "default");
         let committed: Vec<String> = committed.into_iter().collect();
         let seen: i64 = c
             .query_one("SELECT count(*) FROM unnest($1::text[]) id WHERE dedup.seen(id)", &[&committed])

@@ -15,14 +15,6 @@ fn preloaded_db(db: &str, worker_db: &str, extra: &[&str]) -> (Cluster, Client) 
     (cluster, client)
 }
 
-fn trusted(c: &mut Client, inbox: &str) -> bool {
-    c.query_one("SELECT filter_trusted FROM dedup.stats WHERE inbox = $1", &[&inbox]).unwrap().get(0)
-}
-
-fn wait_trusted(c: &mut Client, inbox: &str) {
-    eventually(&format!("the worker loads inbox {inbox}"), || trusted(c, inbox));
-}
-
 fn rebuild(c: &mut Client) {
     c.batch_execute("SELECT dedup.bloom_rebuild()").unwrap();
 }

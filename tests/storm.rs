@@ -15,9 +15,7 @@ fn sixteen_sessions_racing_on_one_pool_claim_each_id_exactly_once() {
     let pool = (SESSIONS * calls / 4).max(100) as u64;
     let cluster = preloaded("storm", &[]);
     let mut c = cluster.fresh_db("storm");
-    eventually("the filter answers", || {
-        c.query_one("SELECT filter_trusted FROM dedup.stats WHERE inbox = 'default'", &[]).unwrap().get(0)
-    });
+    wait_trusted(&mut c, "default");
     let cluster = &cluster;
     let wins: Vec<String> = std::thread::scope(|s| {
         let sessions: Vec<_> = (0..SESSIONS as u64)
