@@ -40,7 +40,7 @@ test: setup
 	done
 
 # Benchmarks (optimised build of the extension) against hand-written SQL, pg_test_fsync and Redis; BENCH_QUICK=1 for
-# a short run (under 2 minutes; the full run takes about 25), BENCH_ONLY=clients,growth for some sections only.
+# a short run (under 2 minutes; the full run takes about 18), BENCH_ONLY=clients,growth for some sections only.
 bench: setup
 	@scripts/pg.sh install_extension $(DEMO_PG) --release
 	@PG_CONFIG=$$(scripts/pg.sh pg_config_for $(DEMO_PG)) cargo run -q --release -p pg_dedup_bench --bin bench
