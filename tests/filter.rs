@@ -210,6 +210,10 @@ fn logically_replicated_rows_reach_the_subscribers_filter() {
     assert_all_marked(&mut s, &[initial, streamed].concat(), "default");
     s.batch_execute("ALTER SUBSCRIPTION marks DISABLE; ALTER SUBSCRIPTION marks SET (slot_name = NONE)").unwrap();
     s.batch_execute("DROP SUBSCRIPTION marks").unwrap();
+    // The publisher's walsender lets go of the slot a moment after the subscription is disabled.
+    eventually("the publisher's walsender releases the slot", || {
+        !p.query_one("SELECT active FROM pg_replication_slots WHERE slot_name = 'marks'", &[]).unwrap().get::<_, bool>(0)
+    });
     p.batch_execute("SELECT pg_drop_replication_slot('marks')").unwrap();
 }
 
