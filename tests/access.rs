@@ -121,3 +121,56 @@ fn objects_on_the_callers_search_path_cannot_hijack_dedup() {
     assert_eq!(count(&mut c, "pg_temp.inbox_default"), 0, "the temp look-alike table was never written");
     assert_eq!(count(&mut c, "dedup.inbox_default"), 2);
 }
+
+#[test]
+fn an_application_role_cannot_change_settings_or_the_inbox_tables() {
+    // Preloaded, so that every setting is registered (without preload only dedup.bloom is).
+    let server = preloaded("privileges_settings", &[]);
+    let mut admin = server.fresh_db("privileges_settings");
+    admin.batch_execute("CREATE ROLE app LOGIN").unwrap();
+    admin.batch_execute(APP_GRANTS).unwrap();
+    admin.batch_execute("SELECT dedup.mark('kept')").unwrap();
+    let mut c = server.connect_as("privileges_settings", "app");
+    assert!(mark(&mut c, "mine"), "the grants are enough to mark");
+    // Every dedup setting is for the superuser (dedup.bloom) or the server's configuration (the rest).
+    let settings: Vec<(String, String)> = admin
+        .query("SELECT name, context FROM pg_settings WHERE name LIKE 'dedup.%' ORDER BY name", &[])
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert!(settings.len() >= 8, "the extension's settings are registered: {settings:?}");
+    for (name, context) in &settings {
+        assert!(["superuser", "sighup", "postmaster"].contains(&context.as_str()), "{name} is settable by users");
+        let value: String = admin.query_one(&format!("SHOW {name}"), &[]).unwrap().get(0);
+        for sql in [
+            format!("SET {name} = '{value}'"),
+            format!("SELECT set_config('{name}', '{value}', false)"),
+            format!("ALTER ROLE app SET {name} = '{value}'"),
+            format!("ALTER SYSTEM SET {name} = '{value}'"),
+        ] {
+            let err = c.batch_execute(&sql).expect_err(&sql);
+            // 42501: no privilege; 55P02: only settable at server start or in postgresql.conf.
+            assert!(["42501", "55P02"].contains(&sqlstate(&err).as_str()), "{sql}: {err}");
+        }
+    }
+    for sql in [
+        "SELECT pg_reload_conf()",
+        "DROP TABLE dedup.inbox_default",
+        "TRUNCATE dedup.inbox_default",
+        "ALTER TABLE dedup.inbox_default DISABLE TRIGGER USER",
+        "ALTER TABLE dedup.inbox_default ADD COLUMN x int",
+        "CREATE INDEX ON dedup.inbox_default (expires_at)",
+        "DELETE FROM dedup.inbox_registry",
+        "UPDATE dedup.inbox_registry SET default_ttl = '1 second'",
+        "CREATE TABLE dedup.inbox_planted (id text PRIMARY KEY, expires_at timestamptz)",
+        "DROP SCHEMA dedup CASCADE",
+        "DROP EXTENSION pg_dedup",
+    ] {
+        let err = c.batch_execute(sql).expect_err(sql);
+        assert_eq!(sqlstate(&err), "42501", "{sql}: {err}");
+    }
+    assert!(!mark(&mut admin, "kept"), "the admin's mark is still there");
+    assert!(!mark(&mut admin, "mine"), "the application's mark is still there");
+    assert_eq!(count(&mut admin, "dedup.inbox_default"), 2);
+}
