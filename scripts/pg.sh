@@ -11,23 +11,37 @@ pg_config_for() {
 }
 
 # Builds pg_dedup for major $1 and installs it into that Postgres (its lib and share directories); extra arguments
-# (e.g. --release) go to cargo pgrx install.
-# cargo pgrx installs the current version's script and the upgrade scripts (sql/pg_dedup--A--B.sql); the install
-# scripts of earlier releases (sql/releases/) are copied too, so `CREATE EXTENSION pg_dedup VERSION '0.1.0'` works
-# (the upgrade test starts from each of them).
+# (e.g. --release; the default is a debug build) go to cargo pgrx package.
+# The build is staged with `cargo pgrx package`, then each file is put in place by rename: a server running from the
+# old library keeps its mapping of the old file instead of seeing it rewritten underneath it (which can crash it).
+# The staged files are the library, the current version's script and the upgrade scripts (sql/pg_dedup--A--B.sql);
+# the install scripts of earlier releases (sql/releases/) are added, so `CREATE EXTENSION pg_dedup VERSION '0.1.0'`
+# works (the upgrade test starts from each of them).
 install_extension() {
   local major=$1 sudo=()
   shift
   [ "$(id -u)" -eq 0 ] || sudo=(sudo)
-  local out
-  if ! out=$(cargo pgrx install ${sudo:+--sudo} --pg-config "$(pg_config_for "$major")" --no-default-features \
-      --features "pg$major" "$@" 2>&1); then
+  local here stage out arg args=()
+  here=$(cd "$(dirname "$0")/.." && pwd)
+  local profile=--debug # cargo pgrx package builds release unless told --debug
+  for arg in "$@"; do
+    if [ "$arg" = --release ]; then profile=--release; else args+=("$arg"); fi
+  done
+  [ "$profile" = --release ] && profile=
+  stage=$(mktemp -d)
+  trap 'rm -rf "$stage"' RETURN
+  if ! out=$(cargo pgrx package --pg-config "$(pg_config_for "$major")" --out-dir "$stage" --no-default-features \
+      --features "pg$major" $profile ${args[@]+"${args[@]}"} 2>&1); then
     printf '%s\n' "$out" >&2
     return 1
   fi
-  local here
-  here=$(cd "$(dirname "$0")/.." && pwd)
-  "${sudo[@]}" cp "$here"/sql/releases/pg_dedup--*.sql "$("$(pg_config_for "$major")" --sharedir)/extension/"
+  cp "$here"/sql/releases/pg_dedup--*.sql "$stage$("$(pg_config_for "$major")" --sharedir)/extension/"
+  local file target
+  while IFS= read -r file; do
+    target=${file#"$stage"}
+    "${sudo[@]}" install -D -m "$(stat -c %a "$file")" "$file" "$target.new.$$"
+    "${sudo[@]}" mv -f "$target.new.$$" "$target"
+  done < <(find "$stage" -type f)
 }
 
 "$@"
