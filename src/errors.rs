@@ -22,3 +22,18 @@ pub fn internal(context: &str, err: impl std::fmt::Display) -> ! {
         "This is a bug in pg_dedup or a damaged installation; please report it with the statement that failed.",
     )
 }
+
+/// A LOG line for the server log (the workers' messages). pgrx's `log!` first asks `is_interesting()`, which on
+/// PostgreSQL 13 compares levels numerically and so drops LOG under the default `log_min_messages = warning` (for
+/// the server log, LOG ranks above WARNING); Postgres' own `errstart` decides correctly on every major.
+macro_rules! server_log {
+    ($($arg:tt)*) => {
+        pgrx::pg_sys::panic::ErrorReport::new(
+            pgrx::prelude::PgSqlErrorCode::ERRCODE_SUCCESSFUL_COMPLETION,
+            format!($($arg)*),
+            "pg_dedup",
+        )
+        .report(pgrx::prelude::PgLogLevel::LOG)
+    };
+}
+pub(crate) use server_log;

@@ -1,11 +1,12 @@
 //! Background workers (preloaded only). A launcher, connected to no database, starts one worker per database named
 //! in `dedup.database` once that database exists, starts it again if it dies (a crash, `pg_terminate_backend`),
-//! and stops the workers of databases no longer listed. Each database's worker purges expired marks every
+//! and a worker stops by itself when its database leaves the list (on the configuration reload). Each database's worker purges expired marks every
 //! `dedup.purge_interval`, batch by batch in short transactions, and keeps the shared Bloom filter loaded for the
 //! database's inboxes. Nothing crash-loops: a missing database or extension is logged once and waited for, and an
 //! ERROR in one batch is logged and the next goes on.
 
 use crate::claim::statement_now;
+use crate::errors::server_log;
 use crate::inbox::{self, Access};
 use crate::shmem::{self, WorkerSlot};
 use crate::purge::HeldRows;
@@ -74,7 +75,7 @@ fn try_transaction<R>(body: impl FnOnce() -> R + std::panic::UnwindSafe) -> Resu
 
 /// `try_transaction`, logging an ERROR (with `what`) and turning it into None.
 fn in_transaction<R>(what: &str, body: impl FnOnce() -> R + std::panic::UnwindSafe) -> Option<R> {
-    try_transaction(body).map_err(|(_, message)| log!("pg_dedup worker: {what} failed: {message}")).ok()
+    try_transaction(body).map_err(|(_, message)| server_log!("pg_dedup worker: {what} failed: {message}")).ok()
 }
 
 fn configured_databases() -> Vec<String> {
@@ -96,14 +97,9 @@ pub extern "C-unwind" fn pg_dedup_launcher_main(_arg: pg_sys::Datum) {
             unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
         }
         let wanted = configured_databases();
-        let unlisted: Vec<String> = workers.keys().filter(|name| !wanted.contains(name)).cloned().collect();
-        for name in unlisted {
-            log!("pg_dedup launcher: database \"{name}\" is no longer in dedup.database; stopping its worker");
-            if let Some(worker) = workers.remove(&name) {
-                worker.terminate();
-            }
-        }
-        // A worker that stopped (crashed, terminated, its database dropped) is started again below.
+        // A worker whose database left the list stops by itself (it reloads the configuration too), whichever
+        // launcher started it. One that stopped otherwise (crashed, terminated, its database dropped) is started
+        // again below.
         workers.retain(|_, worker| !matches!(worker.pid(), Err(BackgroundWorkerStatus::Stopped)));
         let unserved: Vec<&String> = wanted.iter().filter(|name| !workers.contains_key(*name)).collect();
         for name in unserved {
@@ -118,12 +114,12 @@ pub extern "C-unwind" fn pg_dedup_launcher_main(_arg: pg_sys::Datum) {
                         Ok(worker) => {
                             workers.insert(name.clone(), worker);
                         }
-                        Err(e) => log!("pg_dedup launcher: could not start the worker for \"{name}\": {e:?}"),
+                        Err(e) => server_log!("pg_dedup launcher: could not start the worker for \"{name}\": {e:?}"),
                     }
                 }
                 _ => {
                     if told_missing.insert(name.clone()) {
-                        log!("pg_dedup launcher: database \"{name}\" (in dedup.database) does not exist; waiting for it");
+                        server_log!("pg_dedup launcher: database \"{name}\" (in dedup.database) does not exist; waiting for it");
                     }
                 }
             }
@@ -201,7 +197,7 @@ pub extern "C-unwind" fn pg_dedup_worker_main(arg: pg_sys::Datum) {
     BackgroundWorker::connect_worker_to_spi_by_oid(Some(db), None);
     let me = unsafe { pg_sys::MyProcPid };
     let Some(slot) = shmem::region().and_then(|r| r.worker_slot(db, true)) else {
-        log!("pg_dedup worker: no free worker slot (at most {} databases); exiting", shmem::MAX_DATABASES);
+        server_log!("pg_dedup worker: no free worker slot (at most {} databases); exiting", shmem::MAX_DATABASES);
         return;
     };
     let previous = slot.pid.load(Ordering::Acquire);
@@ -213,12 +209,17 @@ pub extern "C-unwind" fn pg_dedup_worker_main(arg: pg_sys::Datum) {
         std::ffi::CStr::from_ptr(pg_sys::get_database_name(db)).to_string_lossy().into_owned()
     })
     .unwrap_or_default();
-    log!("pg_dedup worker: looking after the inboxes of database \"{database}\"");
+    server_log!("pg_dedup worker: looking after the inboxes of database \"{database}\"");
     let mut told_missing = false;
     let mut last_purge: Option<Instant> = None;
     loop {
         if BackgroundWorker::sighup_received() {
             unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
+        }
+        if !configured_databases().contains(&database) {
+            server_log!("pg_dedup worker: database \"{database}\" is no longer in dedup.database; stopping");
+            slot.pid.store(0, Ordering::Release);
+            return; // exit code 0: the postmaster does not start it again
         }
         let installed = in_transaction("checking for the extension", || {
             Spi::get_one::<bool>("SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_extension WHERE extname = 'pg_dedup')")
@@ -228,7 +229,7 @@ pub extern "C-unwind" fn pg_dedup_worker_main(arg: pg_sys::Datum) {
         })
         .unwrap_or(false);
         if !installed && !told_missing {
-            log!("pg_dedup worker: extension pg_dedup is not installed in database \"{database}\"; waiting for it");
+            server_log!("pg_dedup worker: extension pg_dedup is not installed in database \"{database}\"; waiting for it");
         }
         told_missing = !installed;
         let interval = Duration::from_secs(guc::PURGE_INTERVAL.get().max(1) as u64);
@@ -286,7 +287,7 @@ fn purge_cycle(slot: &WorkerSlot) {
                 Ok(deleted) => Some(deleted),
                 Err((PgSqlErrorCode::ERRCODE_LOCK_NOT_AVAILABLE, _)) => in_transaction("purging a batch", batch(HeldRows::Skip)),
                 Err((_, message)) => {
-                    log!("pg_dedup worker: purging a batch failed: {message}");
+                    server_log!("pg_dedup worker: purging a batch failed: {message}");
                     None
                 }
             };
@@ -337,7 +338,7 @@ fn look_after_filter() {
     let relids: Vec<pg_sys::Oid> = inbox::all_names().iter().filter_map(|name| inbox::relid(name)).collect();
     if !filter::untrusted(&relids).is_empty() {
         if let Some(done) = rebuild::run(false) {
-            log!("pg_dedup worker: loaded {} marks of {} inbox(es) into the Bloom filter", done.keys, done.inboxes);
+            server_log!("pg_dedup worker: loaded {} marks of {} inbox(es) into the Bloom filter", done.keys, done.inboxes);
         }
         return;
     }
@@ -358,7 +359,7 @@ fn look_after_filter() {
     };
     region.rotation_backoff.store(backoff, Ordering::Relaxed);
     region.next_rotation_at.store(now + backoff as i64 * 1_000_000, Ordering::Relaxed);
-    log!(
+    server_log!(
         "pg_dedup worker: rotated the Bloom filter ({} live marks reloaded; false-positive rate {measured:.4} -> {after:.4})",
         done.keys
     );

@@ -1,5 +1,6 @@
 //! The purge worker on preloaded servers: expired marks go, live ones stay, renewals win, the worker survives
-//! being terminated, follows config reloads, waits for missing databases and extensions, and outlives an ERROR.
+//! being terminated, follows config reloads (and stops when its database leaves the list), waits for missing
+//! databases and extensions, and outlives an ERROR.
 
 use pg_dedup_harness::postgres::Client;
 use pg_dedup_tests::*;
@@ -129,6 +130,27 @@ fn a_config_reload_changes_the_interval() {
     c.batch_execute("ALTER SYSTEM SET dedup.purge_interval = '1s'").unwrap();
     c.batch_execute("SELECT pg_reload_conf()").unwrap();
     eventually("the reloaded interval applies", || count(&mut c, "dedup.inbox_default") == 0);
+}
+
+#[test]
+fn a_worker_stops_when_its_database_leaves_dedup_database() {
+    let cluster = purging("purge_leave_a, purge_leave_b", &[]);
+    let mut a = cluster.fresh_db("purge_leave_a");
+    let mut b = cluster.fresh_db("purge_leave_b");
+    eventually("both workers run", || worker_pid(&mut a, "purge_leave_a").is_some() && worker_pid(&mut a, "purge_leave_b").is_some());
+    // The worker of b was started by a launcher that is now gone: the new launcher did not start it.
+    let launcher = launcher_pid(&mut a).expect("the launcher runs");
+    a.execute("SELECT pg_terminate_backend($1)", &[&launcher]).unwrap();
+    eventually("a new launcher runs", || launcher_pid(&mut a).is_some_and(|p| p != launcher));
+    a.batch_execute("ALTER SYSTEM SET dedup.database = 'purge_leave_a'").unwrap();
+    a.batch_execute("SELECT pg_reload_conf()").unwrap();
+    eventually("the worker of b stops", || worker_pid(&mut a, "purge_leave_b").is_none());
+    expire_soon(&mut b, "b", 10);
+    thread::sleep(Duration::from_secs(3));
+    assert!(worker_pid(&mut a, "purge_leave_b").is_none(), "nobody starts it again");
+    assert_eq!(count(&mut b, "dedup.inbox_default"), 10, "b is not purged any more");
+    assert!(worker_pid(&mut a, "purge_leave_a").is_some(), "the worker of a still runs");
+    assert!(cluster.log().contains("\"purge_leave_b\" is no longer in dedup.database"), "{}", cluster.log());
 }
 
 #[test]
