@@ -6,7 +6,8 @@
 # Both run scripts/setup.sh first: it installs what is missing (apt packages, cargo-pgrx, PostgreSQL 13 and 18
 # built from source) and does nothing when everything is in place.
 
-PG_VERSIONS ?= 13 15 18
+# Exported: tests/pg_upgrade.rs upgrades from each major listed (so tested and installed) before the current one.
+export PG_VERSIONS ?= 13 15 18
 DEMO_PG ?= 15
 export PG_DEDUP_CACHE ?= /var/cache/pg_dedup
 # Compiled dependencies are shared by every checkout (and CI's fresh clones), so only the first build is slow.

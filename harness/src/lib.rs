@@ -10,6 +10,7 @@ use std::process::{Command, Output};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 pub use postgres;
+
 use postgres::{Client, NoTls};
 
 /// The `pg_config` of the Postgres under test.
@@ -22,31 +23,28 @@ pub fn pg_config() -> PathBuf {
 /// The directory of the Postgres programs (`pg_config --bindir`): initdb and pg_ctl, and pgbench or pg_test_fsync
 /// for the benchmarks.
 pub fn bindir() -> PathBuf {
-    PathBuf::from(pg_config_value("--bindir"))
+    PathBuf::from(pg_config_value(&pg_config(), "--bindir"))
 }
 
-fn pg_config_value(flag: &str) -> String {
-    let out = Command::new(pg_config()).arg(flag).output().expect("run pg_config (is PG_CONFIG right?)");
-    assert!(out.status.success(), "pg_config {flag} failed");
+/// The major version (e.g. 15) of the Postgres that `pg_config` belongs to.
+pub fn major(pg_config: &Path) -> u32 {
+    pg_config_value(pg_config, "--version")
+        .split_whitespace()
+        .nth(1)
+        .and_then(|v| v.split('.').next())
+        .and_then(|v| v.parse().ok())
+        .expect("pg_config --version looks like 'PostgreSQL 15.x'")
+}
+
+fn pg_config_value(pg_config: &Path, flag: &str) -> String {
+    let out = Command::new(pg_config).arg(flag).output().expect("run pg_config (is PG_CONFIG right?)");
+    assert!(out.status.success(), "{} {flag} failed", pg_config.display());
     String::from_utf8(out.stdout).expect("pg_config prints UTF-8").trim().to_owned()
 }
 
 fn is_root() -> bool {
     // SAFETY: geteuid has no preconditions.
     unsafe { libc::geteuid() == 0 }
-}
-
-/// Runs a Postgres program as the server's owner (`postgres` when we are root, ourselves otherwise).
-fn run_as_owner(program: &Path, args: &[&str]) -> Output {
-    let mut cmd = if is_root() {
-        let mut c = Command::new("runuser");
-        c.args(["-u", "postgres", "--"]).arg(program);
-        c
-    } else {
-        Command::new(program)
-    };
-    let out = cmd.args(args).output().unwrap_or_else(|e| panic!("run {}: {e}", program.display()));
-    out
 }
 
 fn check(out: Output, what: &str) {
@@ -83,23 +81,22 @@ pub struct Cluster {
 impl Cluster {
     /// initdb + start with extra `postgresql.conf` lines (e.g. `shared_preload_libraries = 'pg_dedup'`).
     pub fn start(conf: &[&str]) -> Cluster {
+        let cluster = Cluster::init(&pg_config(), &[], conf);
+        cluster.pg_ctl_start();
+        cluster
+    }
+
+    /// initdb only (plus `initdb_args`), of the Postgres that `pg_config` belongs to — any installed major, not
+    /// just `PG_CONFIG`'s — with extra `postgresql.conf` lines. The server is left stopped (start it with
+    /// `pg_ctl_start`): pg_upgrade wants an empty, stopped cluster of the new major.
+    pub fn init(pg_config: &Path, initdb_args: &[&str], conf: &[&str]) -> Cluster {
         let dir = new_cluster_dir();
-        let bindir = bindir();
-        let major = pg_config_value("--version")
-            .split_whitespace()
-            .nth(1)
-            .and_then(|v| v.split('.').next())
-            .and_then(|v| v.parse().ok())
-            .expect("pg_config --version looks like 'PostgreSQL 15.x'");
-        let cluster = Cluster { dir, bindir, major, running: AtomicBool::new(false) };
+        let bindir = PathBuf::from(pg_config_value(pg_config, "--bindir"));
+        let cluster = Cluster { dir, bindir, major: major(pg_config), running: AtomicBool::new(false) };
         let data = cluster.data_dir();
-        check(
-            run_as_owner(
-                &cluster.bindir.join("initdb"),
-                &["-D", data.to_str().unwrap(), "-U", "postgres", "--auth=trust", "--no-sync", "-E", "UTF8"],
-            ),
-            "initdb",
-        );
+        let mut args = vec!["-D", data.to_str().unwrap(), "-U", "postgres", "--auth=trust", "--no-sync", "-E", "UTF8"];
+        args.extend_from_slice(initdb_args);
+        check(cluster.run("initdb", &args), "initdb");
         let mut settings = vec![
             "listen_addresses = ''".to_owned(),
             format!("unix_socket_directories = '{}'", cluster.dir.display()),
@@ -109,8 +106,27 @@ impl Cluster {
         ];
         settings.extend(conf.iter().map(|s| s.to_string()));
         cluster.append_conf(&settings);
-        cluster.pg_ctl_start();
         cluster
+    }
+
+    /// The directory of this cluster's Postgres programs.
+    pub fn bindir(&self) -> &Path {
+        &self.bindir
+    }
+
+    /// Runs one of this cluster's Postgres programs (`initdb`, `pg_ctl`, `pg_upgrade`, ...) as the server's owner
+    /// (`postgres` when we are root, ourselves otherwise), in the cluster's directory: pg_upgrade writes its
+    /// sockets, logs and scripts into its working directory, which must belong to that user.
+    pub fn run(&self, program: &str, args: &[&str]) -> Output {
+        let program = self.bindir.join(program);
+        let mut cmd = if is_root() {
+            let mut c = Command::new("runuser");
+            c.args(["-u", "postgres", "--"]).arg(&program);
+            c
+        } else {
+            Command::new(&program)
+        };
+        cmd.args(args).current_dir(&self.dir).output().unwrap_or_else(|e| panic!("run {}: {e}", program.display()))
     }
 
     /// A hot standby of this cluster, streaming from it (pg_basebackup -R).
@@ -119,8 +135,8 @@ impl Cluster {
         let standby = Cluster { dir, bindir: self.bindir.clone(), major: self.major, running: AtomicBool::new(false) };
         let data = standby.data_dir();
         check(
-            run_as_owner(
-                &self.bindir.join("pg_basebackup"),
+            standby.run(
+                "pg_basebackup",
                 &["-D", data.to_str().unwrap(), "-h", self.dir.to_str().unwrap(), "-U", "postgres", "-R", "-X", "stream", "-c", "fast"],
             ),
             "pg_basebackup",
@@ -141,14 +157,15 @@ impl Cluster {
         std::fs::write(&conf, text).expect("write postgresql.conf");
     }
 
-    fn pg_ctl_start(&self) {
+    /// Starts the server (after `init` or `stop`) and waits until it accepts connections.
+    pub fn pg_ctl_start(&self) {
         check(self.try_pg_ctl_start(), "pg_ctl start");
     }
 
     fn try_pg_ctl_start(&self) -> Output {
         let log = self.dir.join("server.log");
-        let out = run_as_owner(
-            &self.bindir.join("pg_ctl"),
+        let out = self.run(
+            "pg_ctl",
             &["-D", self.data_dir().to_str().unwrap(), "-l", log.to_str().unwrap(), "-w", "-t", "60", "start"],
         );
         self.running.store(out.status.success(), Ordering::SeqCst);
@@ -158,11 +175,7 @@ impl Cluster {
     /// Kills the postmaster with SIGKILL — to Postgres, the same as the machine losing power — and starts the
     /// server again, which replays the WAL (crash recovery). Returns once it accepts connections.
     pub fn crash_postmaster(&self) {
-        let pid_file = std::fs::read_to_string(self.data_dir().join("postmaster.pid")).expect("postmaster.pid");
-        let pid = pid_file.lines().next().expect("a pid").trim().to_owned();
-        let killed = Command::new("kill").args(["-9", &pid]).status().expect("run kill");
-        assert!(killed.success(), "kill -9 {pid} failed");
-        self.running.store(false, Ordering::SeqCst);
+        self.kill_postmaster();
         // Orphaned backends leave once they notice the postmaster is gone; until then the old shared memory is
         // in use and a new postmaster refuses to start.
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
@@ -170,6 +183,15 @@ impl Cluster {
             assert!(std::time::Instant::now() < deadline, "the server did not start after the crash:\n{}", self.log());
             std::thread::sleep(std::time::Duration::from_millis(200));
         }
+    }
+
+    /// Kills the postmaster with SIGKILL and leaves the server down (a primary lost for good, as in a failover).
+    pub fn kill_postmaster(&self) {
+        let pid_file = std::fs::read_to_string(self.data_dir().join("postmaster.pid")).expect("postmaster.pid");
+        let pid = pid_file.lines().next().expect("a pid").trim().to_owned();
+        let killed = Command::new("kill").args(["-9", &pid]).status().expect("run kill");
+        assert!(killed.success(), "kill -9 {pid} failed");
+        self.running.store(false, Ordering::SeqCst);
     }
 
     /// The cluster's own directory: its unix socket (the `host` to connect to) and its data directory live here.
@@ -224,7 +246,7 @@ impl Cluster {
     /// Promotes a standby to primary and waits until it accepts writes.
     pub fn promote(&self) {
         check(
-            run_as_owner(&self.bindir.join("pg_ctl"), &["-D", self.data_dir().to_str().unwrap(), "-w", "promote"]),
+            self.run("pg_ctl", &["-D", self.data_dir().to_str().unwrap(), "-w", "promote"]),
             "pg_ctl promote",
         );
     }
@@ -256,8 +278,8 @@ impl Cluster {
     /// Stops the server (fast shutdown).
     pub fn stop(&self) {
         if self.running.swap(false, Ordering::SeqCst) {
-            let _ = run_as_owner(
-                &self.bindir.join("pg_ctl"),
+            let _ = self.run(
+                "pg_ctl",
                 &["-D", self.data_dir().to_str().unwrap(), "-m", "fast", "-w", "stop"],
             );
         }
