@@ -11,6 +11,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 pub use postgres;
 
+pub mod replay;
+
 use postgres::{Client, NoTls};
 
 /// The `pg_config` of the Postgres under test.

@@ -9,15 +9,11 @@
 //!
 //! Options: --events N (2000) --consumers N (4) --duplicate-rate F (0.2) --crash-rate F (0.05) --seed N
 
-use pg_dedup_harness::postgres::Client;
+use pg_dedup_harness::replay::{self, Broker, Crash, Rng, Tally, ACCOUNTS};
 use pg_dedup_harness::Cluster;
-use std::collections::{HashMap, VecDeque};
 use std::io::Write;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
-
-const ACCOUNTS: i32 = 20;
 
 struct Options {
     events: usize,
@@ -60,104 +56,23 @@ fn usage(problem: &str) -> ! {
     std::process::exit(2)
 }
 
-#[derive(Clone)]
-struct Event {
-    id: String,
-    account: i32,
-    amount: i64,
-}
-
-/// Where a consumer dies, if it dies while handling a delivery.
-#[derive(Clone, Copy)]
-enum Crash {
-    BeforeMark,
-    AfterMark,
-    BeforeCommit,
-    AfterCommitBeforeAck,
-}
-
-/// An in-memory at-least-once broker: a delivery leaves the queue when it is handed out and comes back unless the
-/// consumer acknowledges it.
-#[derive(Default)]
-struct Broker {
-    queue: Mutex<VecDeque<Event>>,
-    published: AtomicU64,
-    delivered: AtomicU64,
-    redelivered: AtomicU64,
-    acked: AtomicU64,
-}
-
-impl Broker {
-    fn next(&self) -> Option<Event> {
-        let event = self.queue.lock().unwrap().pop_front();
-        if event.is_some() {
-            self.delivered.fetch_add(1, Ordering::Relaxed);
-        }
-        event
-    }
-
-    fn nack(&self, event: Event) {
-        self.redelivered.fetch_add(1, Ordering::Relaxed);
-        self.queue.lock().unwrap().push_back(event);
-    }
-
-    fn ack(&self) {
-        self.acked.fetch_add(1, Ordering::Relaxed);
-    }
-}
-
-#[derive(Default)]
-struct Tally {
-    duplicates: AtomicU64,
-    applied: AtomicU64,
-    crashes: AtomicU64,
-}
-
-/// Handles one delivery. Returns Err(()) when the consumer "died": its connection is gone, the delivery is not
-/// acknowledged, and the broker will hand it out again.
-fn handle(db: &mut Client, event: &Event, crash: Option<Crash>, tally: &Tally) -> Result<(), ()> {
-    if let Some(Crash::BeforeMark) = crash {
-        return Err(());
-    }
-    db.batch_execute("BEGIN").expect("BEGIN");
-    let new: bool = db.query_one("SELECT dedup.mark($1, NULL, 'payments')", &[&event.id]).expect("mark").get(0);
-    if let Some(Crash::AfterMark) = crash {
-        return Err(());
-    }
-    if new {
-        db.execute("UPDATE accounts SET balance = balance + $2 WHERE id = $1", &[&event.account, &event.amount])
-            .expect("update balance");
-    }
-    if let Some(Crash::BeforeCommit) = crash {
-        return Err(());
-    }
-    db.batch_execute("COMMIT").expect("COMMIT");
-    if new {
-        tally.applied.fetch_add(1, Ordering::Relaxed);
-    } else {
-        tally.duplicates.fetch_add(1, Ordering::Relaxed);
-    }
-    if let Some(Crash::AfterCommitBeforeAck) = crash {
-        return Err(());
-    }
-    Ok(())
-}
-
 fn consumer(cluster: &Cluster, broker: &Broker, tally: &Tally, crash_rate: f64, seed: u64) {
-    let mut rng = fastrand::Rng::with_seed(seed);
+    let mut rng = Rng::with_seed(seed);
     let mut db = cluster.connect("demo");
     while let Some(event) = broker.next() {
-        let crash = (rng.f64() < crash_rate).then(|| {
-            [Crash::BeforeMark, Crash::AfterMark, Crash::BeforeCommit, Crash::AfterCommitBeforeAck][rng.usize(..4)]
-        });
-        match handle(&mut db, &event, crash, tally) {
-            Ok(()) => broker.ack(),
-            Err(()) => {
-                // The process "dies": dropping the connection mid-transaction makes the server roll it back.
-                tally.crashes.fetch_add(1, Ordering::Relaxed);
-                db = cluster.connect("demo");
-                broker.nack(event);
-            }
+        let crash = Crash::pick(&mut rng, crash_rate);
+        let outcome = replay::apply(&mut db, &event, |point| crash == Some(point));
+        if let Ok(new) = outcome {
+            let counter = if new { &tally.applied } else { &tally.duplicates };
+            counter.fetch_add(1, Ordering::Relaxed);
+        }
+        if outcome.is_ok() && crash != Some(Crash::AfterCommitBeforeAck) {
+            broker.ack();
+        } else {
+            // The process "dies": dropping the connection mid-transaction makes the server roll it back.
+            tally.crashes.fetch_add(1, Ordering::Relaxed);
+            db = cluster.connect("demo");
+            broker.nack(event);
         }
     }
 }
@@ -170,30 +85,14 @@ fn main() {
     // The full product: preloaded, so the shared Bloom filter and the purge worker run too.
     let cluster = Cluster::start(&["shared_preload_libraries = 'pg_dedup'", "dedup.database = 'demo'"]);
     let mut admin = cluster.fresh_db("demo");
-    admin
-        .batch_execute(&format!(
-            "CREATE TABLE accounts (id int PRIMARY KEY, balance bigint NOT NULL DEFAULT 0);
-             INSERT INTO accounts (id) SELECT generate_series(1, {ACCOUNTS});
-             SELECT dedup.create_inbox('payments', '1 day');"
-        ))
-        .expect("prepare the demo database");
+    replay::prepare(&mut admin).expect("prepare the demo database");
     println!("  throwaway PostgreSQL {} started in {:.1}s (pg_dedup installed, inbox 'payments')",
         cluster.major, started.elapsed().as_secs_f64());
 
     // The producer: every event once, some of them twice (a retry after a lost publisher confirm).
-    let mut rng = fastrand::Rng::with_seed(o.seed);
-    let events: Vec<Event> = (0..o.events)
-        .map(|i| Event { id: format!("payment-{i:06}"), account: rng.i32(1..=ACCOUNTS), amount: rng.i64(1..=500) })
-        .collect();
-    let mut stream: Vec<Event> = events.clone();
-    for e in &events {
-        if rng.f64() < o.duplicate_rate {
-            stream.insert(rng.usize(..=stream.len()), e.clone());
-        }
-    }
-    let broker = Broker::default();
-    broker.published.store(stream.len() as u64, Ordering::Relaxed);
-    broker.queue.lock().unwrap().extend(stream);
+    let mut rng = Rng::with_seed(o.seed);
+    let events = replay::events("payment", o.events, &mut rng);
+    let broker = Broker::with(replay::publish(&events, o.duplicate_rate, &mut rng));
     let tally = Tally::default();
     let done = AtomicBool::new(false);
 
@@ -220,19 +119,7 @@ fn main() {
     let seconds = replay.elapsed().as_secs_f64();
     println!();
 
-    let expected_total: i64 = events.iter().map(|e| e.amount).sum();
-    let mut expected: HashMap<i32, i64> = HashMap::new();
-    for e in &events {
-        *expected.entry(e.account).or_default() += e.amount;
-    }
-    let mut mismatched = 0;
-    for row in admin.query("SELECT id, balance FROM accounts ORDER BY id", &[]).expect("read the ledger") {
-        let (account, balance): (i32, i64) = (row.get(0), row.get(1));
-        if balance != expected.get(&account).copied().unwrap_or(0) {
-            mismatched += 1;
-        }
-    }
-    let ledger_total: i64 = admin.query_one("SELECT sum(balance)::bigint FROM accounts", &[]).unwrap().get(0);
+    let ledger = replay::check_ledger(&mut admin, &events).expect("read the ledger");
     let marks: i64 = admin.query_one("SELECT count(*) FROM dedup.inbox_payments", &[]).unwrap().get(0);
     let filter = admin
         .query_one("SELECT lookups, certainly_new, filter_state FROM dedup.stats WHERE inbox = 'payments'", &[])
@@ -253,12 +140,12 @@ fn main() {
         "Bloom filter", lookups
     );
     println!();
-    let ok = ledger_total == expected_total && mismatched == 0 && load(&tally.applied) == o.events as u64;
+    let ok = ledger.ok() && load(&tally.applied) == o.events as u64;
     if ok {
-        println!("  OK: ledger total {ledger_total} equals the exactly-once total; all {ACCOUNTS} balances match.");
+        println!("  OK: ledger total {} equals the exactly-once total; all {ACCOUNTS} balances match.", ledger.total);
     } else {
-        println!("  FAILED: ledger total {ledger_total}, exactly-once total {expected_total}, \
-                  {mismatched} balances differ, {} events applied of {}", load(&tally.applied), o.events);
+        println!("  FAILED: ledger total {}, exactly-once total {}, {} balances differ, {} events applied of {}",
+            ledger.total, ledger.expected_total, ledger.mismatched.len(), load(&tally.applied), o.events);
     }
     drop(admin);
     cluster.destroy();

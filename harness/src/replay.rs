@@ -1,0 +1,210 @@
+//! The at-least-once replay shared by `make demo` and the consumer chaos test (tests/chaos.rs): payment events, a
+//! producer that publishes some of them twice, the inbox-pattern consumer step (`dedup.mark()` + a balance update
+//! in one transaction), the points where a consumer can die, and the exactly-once check of the ledger.
+//!
+//! Everything above [`Broker`] is independent of the broker; [`Broker`] is the in-memory one the demo uses.
+
+use postgres::Client;
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+/// The random generator the functions below take, re-exported so that callers need no dependency of their own.
+pub use fastrand::Rng;
+
+/// Accounts in the ledger, numbered 1 to `ACCOUNTS`.
+pub const ACCOUNTS: i32 = 20;
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Event {
+    pub id: String,
+    pub account: i32,
+    pub amount: i64,
+}
+
+/// Where a consumer dies, if it dies while handling a delivery.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Crash {
+    BeforeMark,
+    AfterMark,
+    BeforeCommit,
+    AfterCommitBeforeAck,
+}
+
+impl Crash {
+    pub const ALL: [Crash; 4] = [Crash::BeforeMark, Crash::AfterMark, Crash::BeforeCommit, Crash::AfterCommitBeforeAck];
+
+    /// With probability `rate`, one of the four points, each as likely.
+    pub fn pick(rng: &mut Rng, rate: f64) -> Option<Crash> {
+        (rng.f64() < rate).then(|| Crash::ALL[rng.usize(..Crash::ALL.len())])
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Crash::BeforeMark => "before-mark",
+            Crash::AfterMark => "after-mark",
+            Crash::BeforeCommit => "before-commit",
+            Crash::AfterCommitBeforeAck => "after-commit",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Crash> {
+        Crash::ALL.into_iter().find(|c| c.name() == name)
+    }
+}
+
+impl Event {
+    /// A delivery as one line of text, `id account amount [crash point]`: how the chaos test feeds its consumer
+    /// processes.
+    pub fn to_line(&self, crash: Option<Crash>) -> String {
+        let line = format!("{} {} {}", self.id, self.account, self.amount);
+        match crash {
+            Some(c) => format!("{line} {}", c.name()),
+            None => line,
+        }
+    }
+
+    /// The inverse of [`Event::to_line`]; None for anything else.
+    pub fn from_line(line: &str) -> Option<(Event, Option<Crash>)> {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let crash = match fields.len() {
+            3 => None,
+            4 => Some(Crash::from_name(fields[3])?),
+            _ => return None,
+        };
+        let (account, amount) = (fields[1].parse().ok()?, fields[2].parse().ok()?);
+        Some((Event { id: fields[0].to_owned(), account, amount }, crash))
+    }
+}
+
+/// `count` distinct payment events, `<prefix>-000000` upwards, on random accounts.
+pub fn events(prefix: &str, count: usize, rng: &mut Rng) -> Vec<Event> {
+    (0..count)
+        .map(|i| Event { id: format!("{prefix}-{i:06}"), account: rng.i32(1..=ACCOUNTS), amount: rng.i64(1..=500) })
+        .collect()
+}
+
+/// What the producer publishes: every event once, and each with probability `duplicate_rate` a second time at a
+/// random later or earlier position (a retry after a lost publisher confirm).
+pub fn publish(events: &[Event], duplicate_rate: f64, rng: &mut Rng) -> Vec<Event> {
+    let mut stream = events.to_vec();
+    for e in events {
+        if rng.f64() < duplicate_rate {
+            stream.insert(rng.usize(..=stream.len()), e.clone());
+        }
+    }
+    stream
+}
+
+/// Creates the ledger (`accounts`, every balance 0) and the inbox `payments` in the connected database.
+pub fn prepare(db: &mut Client) -> Result<(), postgres::Error> {
+    db.batch_execute(&format!(
+        "CREATE TABLE accounts (id int PRIMARY KEY, balance bigint NOT NULL DEFAULT 0);
+         INSERT INTO accounts (id) SELECT generate_series(1, {ACCOUNTS});
+         SELECT dedup.create_inbox('payments', '1 day');"
+    ))
+}
+
+/// The consumer's work for one delivery, the inbox way: BEGIN; `dedup.mark()`; the balance update only when the
+/// mark was new; COMMIT. Returns whether the event was new. Before each of the first three crash points it asks
+/// `dies_at(point)`; on `true` it stops right there and returns `Err(point)`, leaving the transaction open for
+/// the caller to abandon. The fourth point, after COMMIT but before the ack, lies between this and the caller's
+/// ack. Errors from the server panic: in this replay they are bugs.
+pub fn apply(db: &mut Client, event: &Event, mut dies_at: impl FnMut(Crash) -> bool) -> Result<bool, Crash> {
+    let mut point = |p| if dies_at(p) { Err(p) } else { Ok(()) };
+    point(Crash::BeforeMark)?;
+    db.batch_execute("BEGIN").expect("BEGIN");
+    let new: bool = db.query_one("SELECT dedup.mark($1, NULL, 'payments')", &[&event.id]).expect("mark").get(0);
+    point(Crash::AfterMark)?;
+    if new {
+        db.execute("UPDATE accounts SET balance = balance + $2 WHERE id = $1", &[&event.account, &event.amount])
+            .expect("update balance");
+    }
+    point(Crash::BeforeCommit)?;
+    db.batch_execute("COMMIT").expect("COMMIT");
+    Ok(new)
+}
+
+/// The ledger compared with the exactly-once effect of `events` (each applied once).
+pub struct LedgerCheck {
+    pub total: i64,
+    pub expected_total: i64,
+    /// (account, balance, exactly-once balance) of every account that differs.
+    pub mismatched: Vec<(i32, i64, i64)>,
+}
+
+impl LedgerCheck {
+    pub fn ok(&self) -> bool {
+        self.total == self.expected_total && self.mismatched.is_empty()
+    }
+}
+
+pub fn check_ledger(db: &mut Client, events: &[Event]) -> Result<LedgerCheck, postgres::Error> {
+    let mut expected: HashMap<i32, i64> = HashMap::new();
+    for e in events {
+        *expected.entry(e.account).or_default() += e.amount;
+    }
+    let mut mismatched = Vec::new();
+    for row in db.query("SELECT id, balance FROM accounts ORDER BY id", &[])? {
+        let (account, balance): (i32, i64) = (row.get(0), row.get(1));
+        let want = expected.get(&account).copied().unwrap_or(0);
+        if balance != want {
+            mismatched.push((account, balance, want));
+        }
+    }
+    let total: i64 = db.query_one("SELECT coalesce(sum(balance), 0)::bigint FROM accounts", &[])?.get(0);
+    Ok(LedgerCheck { total, expected_total: events.iter().map(|e| e.amount).sum(), mismatched })
+}
+
+/// An in-memory at-least-once broker: a delivery leaves the queue when it is handed out and comes back unless the
+/// consumer acknowledges it.
+#[derive(Default)]
+pub struct Broker {
+    pub queue: Mutex<VecDeque<Event>>,
+    pub published: AtomicU64,
+    pub delivered: AtomicU64,
+    pub redelivered: AtomicU64,
+    pub acked: AtomicU64,
+}
+
+impl Broker {
+    /// A broker holding `stream`, in order.
+    pub fn with(stream: Vec<Event>) -> Broker {
+        let broker = Broker::default();
+        broker.published.store(stream.len() as u64, Ordering::Relaxed);
+        broker.queue.lock().unwrap().extend(stream);
+        broker
+    }
+
+    pub fn next(&self) -> Option<Event> {
+        let event = self.queue.lock().unwrap().pop_front();
+        if event.is_some() {
+            self.delivered.fetch_add(1, Ordering::Relaxed);
+        }
+        event
+    }
+
+    /// Puts back a delivery that was not acknowledged, at the end of the queue.
+    pub fn nack(&self, event: Event) {
+        self.redelivered.fetch_add(1, Ordering::Relaxed);
+        self.queue.lock().unwrap().push_back(event);
+    }
+
+    pub fn ack(&self) {
+        self.acked.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Deliveries handed out and neither acknowledged nor put back yet (exact once the consumers are idle).
+    pub fn in_flight(&self) -> i64 {
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed) as i64;
+        load(&self.delivered) - load(&self.acked) - load(&self.redelivered)
+    }
+}
+
+/// What consumers saw: events applied, duplicates dropped, crashes.
+#[derive(Default)]
+pub struct Tally {
+    pub duplicates: AtomicU64,
+    pub applied: AtomicU64,
+    pub crashes: AtomicU64,
+}
