@@ -221,8 +221,27 @@ pub fn relid(name: &str) -> Option<pg_sys::Oid> {
 }
 
 fn relation_oid(name: &str) -> pg_sys::Oid {
-    let rel = std::ffi::CString::new(table_name(name)).expect("validated names have no NUL");
+    dedup_relation_oid(&table_name(name))
+}
+
+/// A relation of schema dedup by name (InvalidOid if there is none).
+fn dedup_relation_oid(relname: &str) -> pg_sys::Oid {
+    let rel = std::ffi::CString::new(relname).expect("validated names have no NUL");
     unsafe { pg_sys::get_relname_relid(rel.as_ptr(), schema_oid()) }
+}
+
+/// Every call reads the registry to find its inbox: a caller who may not gets a dedup error saying which grant is
+/// missing, instead of a raw permission error from inside SPI.
+fn check_registry_readable() {
+    let relid = dedup_relation_oid("inbox_registry");
+    let readable = unsafe { pg_sys::pg_class_aclcheck(relid, pg_sys::GetUserId(), pg_sys::ACL_SELECT as pg_sys::AclMode) };
+    if readable != pg_sys::AclResult::ACLCHECK_OK {
+        raise(
+            PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
+            "permission denied for dedup.inbox_registry, where every call looks up its inbox",
+            "An administrator can run: GRANT SELECT ON dedup.inbox_registry TO <role>; (see docs/privileges.md).",
+        )
+    }
 }
 
 fn unknown_inbox(name: &str) -> ! {
@@ -234,6 +253,7 @@ fn unknown_inbox(name: &str) -> ! {
 }
 
 fn load(name: &str) -> Inbox {
+    check_registry_readable();
     let default_ttl = Spi::connect(|client| {
         client
             .select(

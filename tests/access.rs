@@ -96,6 +96,21 @@ fn an_application_role_marks_only_in_the_inboxes_it_was_granted() {
 }
 
 #[test]
+fn a_missing_grant_is_named_in_a_dedup_error() {
+    let mut admin = db("privileges_partial");
+    admin.batch_execute("DROP ROLE IF EXISTS partial_app; CREATE ROLE partial_app LOGIN").unwrap();
+    // The application grants, less SELECT on the registry.
+    let grants = APP_GRANTS.replace(" TO app;", " TO partial_app;").replace("dedup.inbox_registry, ", "");
+    admin.batch_execute(&grants).unwrap();
+    let mut c = cluster().connect_as("privileges_partial", "partial_app");
+    let err = c.query_one("SELECT dedup.mark('a')", &[]).expect_err("the registry is not readable");
+    assert!(err.as_db_error().unwrap().hint().unwrap().contains("GRANT SELECT ON dedup.inbox_registry"), "{err:?}");
+    assert_dedup_error(Err::<(), _>(err), "42501");
+    assert_dedup_error(c.query_one("SELECT dedup.seen('a')", &[]), "42501");
+    assert_eq!(count(&mut admin, "dedup.inbox_default"), 0);
+}
+
+#[test]
 fn objects_on_the_callers_search_path_cannot_hijack_dedup() {
     let mut c = db("search_path");
     // Look-alikes of everything pg_dedup's statements use, each of which would raise if it were ever called.
