@@ -7,28 +7,57 @@ use crate::errors::raise;
 use crate::filter::{self, Trusted};
 use crate::shmem::Counter;
 use crate::inbox::{self, Access, Inbox};
-use crate::{claim, input, purge};
+use crate::{claim, guc, input, purge};
 use pgrx::prelude::*;
 use std::cell::Cell;
 use std::collections::HashSet;
 
 thread_local! {
-    static TOLD_UNFILTERED: Cell<bool> = const { Cell::new(false) };
+    static TOLD_DEGRADED: Cell<bool> = const { Cell::new(false) };
 }
 
-/// The filter that may answer for `inbox`, if any. Without preloading, says once per session why there is none.
+/// The filter that may answer for `inbox`, if any. When the installation is why there is none (no preloading, or no
+/// worker for this database), says so once per session: everything stays correct, but the user should know.
 fn trusted_filter(inbox: &Inbox) -> Option<Trusted> {
-    if !filter::is_preloaded() && !TOLD_UNFILTERED.with(|told| told.replace(true)) {
-        pgrx::pg_sys::panic::ErrorReport::new(
-            PgSqlErrorCode::ERRCODE_SUCCESSFUL_COMPLETION,
-            "dedup: the shared Bloom filter is off because pg_dedup is not in shared_preload_libraries; \
-             every call uses the inbox index (correct, a little slower)",
-            "pg_dedup",
-        )
-        .set_hint("Add pg_dedup to shared_preload_libraries and restart the server to enable it.")
-        .report(PgLogLevel::NOTICE);
+    if !TOLD_DEGRADED.with(|told| told.replace(true)) {
+        if let Some((message, hint)) = degraded() {
+            pgrx::pg_sys::panic::ErrorReport::new(PgSqlErrorCode::ERRCODE_SUCCESSFUL_COMPLETION, message, "pg_dedup")
+                .set_hint(hint)
+                .report(PgLogLevel::NOTICE);
+        }
     }
     Trusted::for_inbox(inbox.ns)
+}
+
+/// What this installation leaves out for the current database, and how to get it.
+fn degraded() -> Option<(String, String)> {
+    if !filter::is_preloaded() {
+        return Some((
+            "dedup: the shared Bloom filter is off because pg_dedup is not in shared_preload_libraries; every call \
+             uses the inbox index (correct, a little slower), and no background worker purges expired marks"
+                .into(),
+            "Add pg_dedup to shared_preload_libraries and restart the server to enable them.".into(),
+        ));
+    }
+    let database = unsafe { std::ffi::CStr::from_ptr(pgrx::pg_sys::get_database_name(pgrx::pg_sys::MyDatabaseId)) }
+        .to_string_lossy()
+        .into_owned();
+    let mut listed = guc::worker_databases();
+    if listed.contains(&database) {
+        return None;
+    }
+    let setting = listed.join(", ");
+    listed.push(database.clone());
+    Some((
+        format!(
+            "dedup: no pg_dedup worker looks after database \"{database}\" (dedup.database = '{setting}'): expired \
+             marks are never purged (only dedup.purge() removes them) and the shared Bloom filter is never loaded"
+        ),
+        format!(
+            "Add it and reload: ALTER SYSTEM SET dedup.database = '{}'; SELECT pg_reload_conf();",
+            listed.join(", ")
+        ),
+    ))
 }
 
 /// The ids the filter cannot rule out ("maybe"), or None when there is no filter to ask.

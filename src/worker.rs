@@ -78,13 +78,6 @@ fn in_transaction<R>(what: &str, body: impl FnOnce() -> R + std::panic::UnwindSa
     try_transaction(body).map_err(|(_, message)| server_log!("pg_dedup worker: {what} failed: {message}")).ok()
 }
 
-fn configured_databases() -> Vec<String> {
-    let list = guc::DATABASE.get().and_then(|s| s.into_string().ok()).unwrap_or_default();
-    let mut names: Vec<String> = list.split(',').map(|s| s.trim().to_owned()).filter(|s| !s.is_empty()).collect();
-    names.dedup();
-    names
-}
-
 #[pg_guard]
 #[no_mangle]
 pub extern "C-unwind" fn pg_dedup_launcher_main(_arg: pg_sys::Datum) {
@@ -96,7 +89,7 @@ pub extern "C-unwind" fn pg_dedup_launcher_main(_arg: pg_sys::Datum) {
         if BackgroundWorker::sighup_received() {
             unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
         }
-        let wanted = configured_databases();
+        let wanted = guc::worker_databases();
         // A worker whose database left the list stops by itself (it reloads the configuration too), whichever
         // launcher started it. One that stopped otherwise (crashed, terminated, its database dropped) is started
         // again below.
@@ -216,7 +209,7 @@ pub extern "C-unwind" fn pg_dedup_worker_main(arg: pg_sys::Datum) {
         if BackgroundWorker::sighup_received() {
             unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
         }
-        if !configured_databases().contains(&database) {
+        if !guc::worker_databases().contains(&database) {
             server_log!("pg_dedup worker: database \"{database}\" is no longer in dedup.database; stopping");
             slot.pid.store(0, Ordering::Release);
             return; // exit code 0: the postmaster does not start it again

@@ -111,6 +111,18 @@ fn a_missing_grant_is_named_in_a_dedup_error() {
 }
 
 #[test]
+fn without_preloading_a_session_is_told_once_what_it_misses() {
+    db("not_preloaded");
+    let (mut c, told) = connect_keeping_notices(cluster(), "not_preloaded");
+    assert!(mark(&mut c, "a"));
+    assert!(c.query_one("SELECT dedup.seen('a')", &[]).unwrap().get::<_, bool>(0));
+    let told = told.lock().unwrap();
+    assert_eq!(told.len(), 1, "once per session: {told:?}");
+    assert!(told[0].0.contains("not in shared_preload_libraries"), "{:?}", told[0]);
+    assert!(told[0].1.contains("Add pg_dedup to shared_preload_libraries"), "{:?}", told[0]);
+}
+
+#[test]
 fn objects_on_the_callers_search_path_cannot_hijack_dedup() {
     let mut c = db("search_path");
     // Look-alikes of everything pg_dedup's statements use, each of which would raise if it were ever called.

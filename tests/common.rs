@@ -4,7 +4,7 @@
 use pg_dedup_harness::postgres::{self, Client};
 pub use pg_dedup_harness::Cluster;
 use std::process::Command;
-use std::sync::OnceLock;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 static SHARED: OnceLock<Cluster> = OnceLock::new();
@@ -40,6 +40,20 @@ pub fn db(name: &str) -> Client {
 
 pub fn connect(db: &str) -> Client {
     cluster().connect(db)
+}
+
+/// A connection as `postgres` that keeps every NOTICE the server sends it (message, hint).
+pub fn connect_keeping_notices(cluster: &Cluster, db: &str) -> (Client, Arc<Mutex<Vec<(String, String)>>>) {
+    let notices = Arc::new(Mutex::new(Vec::new()));
+    let kept = notices.clone();
+    let client = cluster
+        .conn_string(db, "postgres")
+        .parse::<postgres::Config>()
+        .unwrap()
+        .notice_callback(move |n| kept.lock().unwrap().push((n.message().to_owned(), n.hint().unwrap_or("").to_owned())))
+        .connect(postgres::NoTls)
+        .unwrap();
+    (client, notices)
 }
 
 /// Asserts that `result` failed with SQLSTATE `code` and a `dedup:` message that has a hint.

@@ -154,6 +154,25 @@ fn a_worker_stops_when_its_database_leaves_dedup_database() {
 }
 
 #[test]
+fn a_session_in_a_database_no_worker_looks_after_is_told_once() {
+    let cluster = purging("purge_served", &[]);
+    cluster.fresh_db("purge_served");
+    cluster.fresh_db("purge_unserved");
+    let (mut served, told_served) = connect_keeping_notices(&cluster, "purge_served");
+    assert!(mark(&mut served, "a"));
+    assert!(told_served.lock().unwrap().is_empty(), "{:?}", told_served.lock().unwrap());
+    let (mut c, told) = connect_keeping_notices(&cluster, "purge_unserved");
+    assert!(mark(&mut c, "a"));
+    assert!(!mark(&mut c, "a"));
+    c.query("SELECT * FROM dedup.mark_many(ARRAY['b', 'c'])", &[]).unwrap();
+    let told = told.lock().unwrap();
+    assert_eq!(told.len(), 1, "once per session: {told:?}");
+    let (message, hint) = &told[0];
+    assert!(message.starts_with("dedup: no pg_dedup worker looks after database \"purge_unserved\""), "{message}");
+    assert!(hint.contains("ALTER SYSTEM SET dedup.database = 'purge_served, purge_unserved'"), "{hint}");
+}
+
+#[test]
 fn missing_databases_and_extensions_are_waited_for_without_a_crash_loop() {
     let cluster = purging("purge_later, purge_noext", &[]);
     let mut admin = cluster.connect("postgres");
