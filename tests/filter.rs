@@ -326,3 +326,18 @@ fn marks_committed_while_the_filter_rotates_are_never_hidden() {
         .collect();
     assert!(hidden.is_empty(), "{} of {} committed marks hidden by the filter: {:?}", hidden.len(), marked.len(), &hidden[..hidden.len().min(5)]);
 }
+
+#[test]
+fn an_undersized_filter_is_reported_with_the_capacity_to_set() {
+    let (cluster, mut c) = preloaded_db("bloom_undersized", "bloom_undersized", &["dedup.bloom_capacity = 1000"]);
+    wait_trusted(&mut c, "default");
+    c.query("SELECT * FROM dedup.mark_many($1, '1 hour')", &[&ids("live", 6000)]).unwrap();
+    // The measured false-positive rate is far above target now: the worker rotates, reloads 6,000 live marks
+    // into room for 1,000, and says what to set.
+    eventually("the worker reports the undersized filter", || cluster.log().contains("the Bloom filter is undersized"));
+    let log = cluster.log();
+    let line = log.lines().find(|l| l.contains("the Bloom filter is undersized")).unwrap();
+    assert!(line.contains("WARNING"), "{line}");
+    assert!(line.contains("6000 live marks") && line.contains("set dedup.bloom_capacity to at least 12000"), "{line}");
+    assert_all_marked(&mut c, &ids("live", 6000), "default");
+}
