@@ -24,17 +24,11 @@ use pgrx::PgMemoryContexts;
 /// at which the cluster consumes xids).
 const MIN_IDS: usize = 8;
 
-/// A bulk insert commits a subtransaction, whose xid stays in the backend's cache of subtransaction ids until the
-/// top-level transaction ends. Past 64 that cache overflows and snapshots all over the cluster get slower (the
-/// classic subtransaction-overflow trap), so the bulk insert steps aside once half of it is used, by us or by the
-/// application's own savepoints.
-const SUBXID_ROOM: u8 = 32;
-
 /// Inserts every id in `ids` (sorted, distinct) with `expires_at`, or nothing. True if they were all inserted;
 /// false if the call, the table or the transaction needs the executor, or some id already had a row — then
 /// nothing was written.
 pub fn insert_all(inbox: &Inbox, ids: &[String], expires_at: TimestampWithTimeZone) -> bool {
-    if ids.len() < MIN_IDS || unsafe { cached_subxids() }.is_none_or(|n| n >= SUBXID_ROOM) {
+    if ids.len() < MIN_IDS || !subxact::has_room() {
         return false;
     }
     let rel = unsafe { pg_sys::table_open(inbox.relid, pg_sys::RowExclusiveLock as pg_sys::LOCKMODE) };
@@ -52,15 +46,6 @@ pub fn insert_all(inbox: &Inbox, ids: &[String], expires_at: TimestampWithTimeZo
         }
     }
     inserted
-}
-
-/// Subtransaction ids this backend holds in its cache, or None once the cache has overflowed.
-unsafe fn cached_subxids() -> Option<u8> {
-    #[cfg(feature = "pg13")]
-    let (count, overflowed) = ((*pg_sys::MyPgXact).nxids, (*pg_sys::MyPgXact).overflowed);
-    #[cfg(not(feature = "pg13"))]
-    let (count, overflowed) = ((*pg_sys::MyProc).subxidStatus.count, (*pg_sys::MyProc).subxidStatus.overflowed);
-    (!overflowed).then_some(count)
 }
 
 /// Does writing a row need nothing but the two values and their index entries? The table must still be the

@@ -4,7 +4,7 @@
 //! a 1 ms lock_timeout; if some row is held, that attempt fails and is undone, and the batch is redone with
 //! `FOR UPDATE SKIP LOCKED`, which passes over held rows. The background worker runs each batch in a transaction of
 //! its own, so undoing a failed attempt is rolling back that transaction; `dedup.purge()` runs batches in the
-//! caller's transaction and wraps each attempt in a subtransaction instead.
+//! caller's transaction and wraps each attempt in a subtransaction instead (while the backend has room for one).
 
 use crate::claim::statement_now;
 use crate::inbox::{Inbox, Stmt};
@@ -45,12 +45,16 @@ pub fn purge_batch(inbox: &Inbox, now: TimestampWithTimeZone, limit: i64, held: 
     deleted
 }
 
-/// One batch inside the caller's transaction: the quick attempt in a subtransaction, then skipping held rows.
+/// One batch inside the caller's transaction: the quick attempt in a subtransaction, then skipping held rows. Once
+/// the backend's subtransaction cache is half full (a purge of many batches), only the latter: each batch's
+/// subtransaction would otherwise stay in it, and past 64 the cache overflows.
 fn purge_batch_in_place(inbox: &Inbox, now: TimestampWithTimeZone, limit: i64) -> i64 {
-    subxact::undo_on(PgSqlErrorCode::ERRCODE_LOCK_NOT_AVAILABLE, || {
-        purge_batch(inbox, now, limit, HeldRows::WaitBriefly)
-    })
-        .unwrap_or_else(|| purge_batch(inbox, now, limit, HeldRows::Skip))
+    let quick = || {
+        subxact::undo_on(PgSqlErrorCode::ERRCODE_LOCK_NOT_AVAILABLE, || {
+            purge_batch(inbox, now, limit, HeldRows::WaitBriefly)
+        })
+    };
+    subxact::has_room().then(quick).flatten().unwrap_or_else(|| purge_batch(inbox, now, limit, HeldRows::Skip))
 }
 
 /// Sets lock_timeout (undone with the (sub)transaction if it fails); returns the previous value. A C call, not a

@@ -3,6 +3,21 @@
 
 use pgrx::prelude::*;
 
+/// A subtransaction that wrote something leaves its xid in the backend's cache of subtransaction ids until the
+/// top-level transaction ends. Past 64 that cache overflows and snapshots all over the cluster get slower (the
+/// classic subtransaction-overflow trap), so our optional subtransactions (the bulk insert, purge's quick attempt)
+/// step aside once half of it is used, by us or by the application's own savepoints.
+const SUBXID_ROOM: u8 = 32;
+
+/// May we open one more subtransaction without pushing the cache towards overflow?
+pub fn has_room() -> bool {
+    #[cfg(feature = "pg13")]
+    let (count, overflowed) = unsafe { ((*pg_sys::MyPgXact).nxids, (*pg_sys::MyPgXact).overflowed) };
+    #[cfg(not(feature = "pg13"))]
+    let (count, overflowed) = unsafe { ((*pg_sys::MyProc).subxidStatus.count, (*pg_sys::MyProc).subxidStatus.overflowed) };
+    !overflowed && count < SUBXID_ROOM
+}
+
 /// Runs `body` in a subtransaction. If it raises `expected`, the subtransaction is rolled back — undoing
 /// everything `body` did — and None is returned; any other error rolls it back too and propagates.
 pub fn undo_on<R>(expected: PgSqlErrorCode, body: impl FnOnce() -> R) -> Option<R> {

@@ -153,21 +153,44 @@ fn a_transaction_that_marks_in_a_loop_does_not_overflow_the_subtransaction_cache
         .unwrap()
         .get(0);
     assert_eq!(fresh, 1000);
-    // Each bulk insert keeps a subtransaction id until commit; the cache holds 64 per backend. Postgres shows the
-    // count from version 16 on (the guard is the same code on every version).
-    let version: i32 = c.query_one("SELECT current_setting('server_version_num')::int", &[]).unwrap().get(0);
-    if version >= 160000 {
-        let row = c
-            .query_one(
-                "SELECT s.subxact_count, s.subxact_overflowed
-                 FROM pg_stat_get_backend_idset() b, pg_stat_get_backend_subxact(b) s
-                 WHERE pg_stat_get_backend_pid(b) = pg_backend_pid()",
-                &[],
-            )
-            .unwrap();
-        let (subxids, overflowed): (i32, bool) = (row.get(0), row.get(1));
-        assert!((1..=32).contains(&subxids) && !overflowed, "{subxids} subtransactions kept open by one statement");
-    }
+    assert_subtransaction_cache_has_room(&mut c, "a loop of mark_many()");
     c.batch_execute("COMMIT").unwrap();
     assert_eq!(count(&mut c, "dedup.inbox_default"), 1000);
+}
+
+#[test]
+fn a_purge_of_many_batches_does_not_overflow_the_subtransaction_cache() {
+    let (_cluster, mut c) = server("bulk_purge");
+    // 40 batches of dedup.purge() (10,000 rows each): each batch's quick attempt is a subtransaction.
+    c.batch_execute(
+        "INSERT INTO dedup.inbox_default SELECT 'expired-' || g, now() - interval '1 hour'
+         FROM generate_series(1, 400000) g",
+    )
+    .unwrap();
+    c.batch_execute("BEGIN").unwrap();
+    let purged: i64 = c.query_one("SELECT dedup.purge()", &[]).unwrap().get(0);
+    assert_eq!(purged, 400_000);
+    assert_subtransaction_cache_has_room(&mut c, "dedup.purge()");
+    c.batch_execute("COMMIT").unwrap();
+    assert_eq!(count(&mut c, "dedup.inbox_default"), 0);
+}
+
+/// Our subtransactions (the bulk insert's, purge's quick attempts) keep their ids in the backend's cache until
+/// commit; it holds 64, and we stop at 32. Postgres shows the count from version 16 on (the guard is the same code
+/// on every version).
+fn assert_subtransaction_cache_has_room(c: &mut Client, after: &str) {
+    let version: i32 = c.query_one("SELECT current_setting('server_version_num')::int", &[]).unwrap().get(0);
+    if version < 160000 {
+        return;
+    }
+    let row = c
+        .query_one(
+            "SELECT s.subxact_count, s.subxact_overflowed
+             FROM pg_stat_get_backend_idset() b, pg_stat_get_backend_subxact(b) s
+             WHERE pg_stat_get_backend_pid(b) = pg_backend_pid()",
+            &[],
+        )
+        .unwrap();
+    let (subxids, overflowed): (i32, bool) = (row.get(0), row.get(1));
+    assert!((1..=32).contains(&subxids) && !overflowed, "{after}: {subxids} subtransactions kept, overflowed {overflowed}");
 }
