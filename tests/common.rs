@@ -159,3 +159,22 @@ pub fn dump_and_restore(cluster: &Cluster, from: &str, to: &str) {
     let _ = std::fs::remove_file(&dump);
     assert!(out.status.success(), "restore: {}", String::from_utf8_lossy(&out.stderr));
 }
+
+/// The ids of a load's `n`-th business transaction: one id, and every fifth time a batch of ten (`mark_many`'s
+/// bulk insert path).
+pub fn transaction_ids(prefix: &str, n: usize) -> Vec<String> {
+    match n % 5 {
+        4 => (0..10).map(|k| format!("{prefix}-{n}-{k}")).collect(),
+        _ => vec![format!("{prefix}-{n}")],
+    }
+}
+
+/// One business transaction of the crash and failover loads: marks `ids` (all must be new) and inserts them into
+/// table `ledger`, committing both or neither. An Err is the server going away mid-transaction.
+pub fn mark_and_record(c: &mut Client, ids: &[String]) -> Result<(), postgres::Error> {
+    let mut tx = c.transaction()?;
+    let fresh = tx.query("SELECT * FROM dedup.mark_many($1)", &[&ids])?.len();
+    assert_eq!(fresh, ids.len(), "every id is new");
+    tx.execute("INSERT INTO ledger SELECT unnest($1::text[])", &[&ids])?;
+    tx.commit()
+}

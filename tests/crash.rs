@@ -20,18 +20,8 @@ fn write_until_crash(cluster: &Cluster, round: usize, writer: usize, started: &A
     let Ok(mut c) = cluster.try_connect("crash") else { return committed };
     started.fetch_add(1, Ordering::SeqCst);
     for n in 0.. {
-        let ids: Vec<String> = match n % 5 {
-            4 => (0..10).map(|k| format!("r{round}-w{writer}-{n}-{k}")).collect(),
-            _ => vec![format!("r{round}-w{writer}-{n}")],
-        };
-        let result = (|| -> Result<(), pg_dedup_harness::postgres::Error> {
-            let mut tx = c.transaction()?;
-            let fresh = tx.query("SELECT * FROM dedup.mark_many($1)", &[&ids])?.len();
-            assert_eq!(fresh, ids.len(), "every id is new");
-            tx.execute("INSERT INTO ledger SELECT unnest($1::text[])", &[&ids])?;
-            tx.commit()
-        })();
-        match result {
+        let ids = transaction_ids(&format!("r{round}-w{writer}"), n);
+        match mark_and_record(&mut c, &ids) {
             Ok(()) => committed.extend(ids),
             Err(_) => return committed, // the crash
         }

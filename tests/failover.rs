@@ -16,25 +16,15 @@ use std::time::Duration;
 
 const WRITERS: usize = 4;
 
-/// Writes until the primary goes away; returns the ids of every transaction whose COMMIT succeeded.
+/// Writes until the primary goes away, adding the ids of every transaction whose COMMIT returned to `committed`.
 fn write_until_killed(primary: &Cluster, writer: usize, committed: &Mutex<Vec<String>>, started: &AtomicUsize) {
     let mut c = primary.connect("failover");
     // COMMIT returns only once the standby has replayed it, so the standby can be asked about it right away.
     c.batch_execute("SET synchronous_commit = remote_apply").unwrap();
     started.fetch_add(1, Ordering::SeqCst);
     for n in 0.. {
-        let ids: Vec<String> = match n % 4 {
-            3 => (0..10).map(|k| format!("w{writer}-{n}-{k}")).collect(),
-            _ => vec![format!("w{writer}-{n}")],
-        };
-        let result = (|| -> Result<(), pg_dedup_harness::postgres::Error> {
-            let mut tx = c.transaction()?;
-            let fresh = tx.query("SELECT * FROM dedup.mark_many($1)", &[&ids])?.len();
-            assert_eq!(fresh, ids.len(), "every id is new");
-            tx.execute("INSERT INTO ledger SELECT unnest($1::text[])", &[&ids])?;
-            tx.commit()
-        })();
-        match result {
+        let ids = transaction_ids(&format!("w{writer}"), n);
+        match mark_and_record(&mut c, &ids) {
             Ok(()) => committed.lock().unwrap().extend(ids),
             Err(_) => return, // the primary is gone
         }
