@@ -231,6 +231,10 @@ pub extern "C-unwind" fn pg_dedup_worker_main(arg: pg_sys::Datum) {
             if guc::PURGE.get() && last_purge.is_none_or(|t| t.elapsed() >= interval) {
                 last_purge = Some(Instant::now());
                 purge_cycle(slot);
+                // Publish the cycle's table statistics, as a backend does when it goes idle: autovacuum learns of
+                // the dead rows only from them, so without this it would never vacuum for what we purge.
+                #[allow(clippy::let_unit_value)] // returns the time until the next flush from PostgreSQL 15 on
+                let _ = unsafe { pg_sys::pgstat_report_stat(false) };
             }
         }
         // Wake for the next purge or the next look at the filter, whichever comes first (with purging off, only

@@ -53,6 +53,14 @@ fn expired_marks_disappear_within_a_few_cycles_and_live_ones_stay() {
         .unwrap();
     assert_eq!(row.get::<_, i64>(0), 1300, "dedup.stats counts every purged mark");
     assert!(row.get::<_, i64>(1) >= 1 && row.get::<_, bool>(2));
+    // Autovacuum knows of the dead rows only through the table statistics the worker reports.
+    eventually("the purged rows reach the table statistics", || {
+        let deleted: i64 = c
+            .query_one("SELECT coalesce(sum(n_tup_del), 0)::bigint FROM pg_stat_user_tables WHERE schemaname = 'dedup'", &[])
+            .unwrap()
+            .get(0);
+        deleted == 1300
+    });
 }
 
 #[test]
