@@ -1,7 +1,7 @@
 # pg_dedup — the two commands of the quick start, and their parts.
 #   make demo    the main job: a live at-least-once replay on a throwaway local Postgres
 #   make test    the whole suite on every supported major (PG_VERSIONS=15 make test to narrow)
-#   make test-long  the long reliability runs (the full-size race storm)
+#   make test-long  the long reliability runs (the full-size race storm, 30 minutes of steady load)
 #   make bench   benchmarks against baselines measured in the same run (BENCH_QUICK=1 for a short run)
 # Both run scripts/setup.sh first: it installs what is missing (apt packages, cargo-pgrx, PostgreSQL 13 and 18
 # built from source) and does nothing when everything is in place.
@@ -15,9 +15,11 @@ export CARGO_TARGET_DIR ?= $(PG_DEDUP_CACHE)/target
 # rustup installs cargo (and cargo-pgrx) here; CI's environment may not have it on PATH.
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 
-# The long reliability runs: the race storm at full size, 16 sessions x 200,000 calls (about 5 minutes per major).
+# The long reliability runs, about 35 minutes per major: the race storm at full size, 16 sessions x 200,000 calls
+# (about 5 minutes), and 30 minutes of steady load (tests/load.rs: 2,000 marks/s, 5 s TTL, the worker purging).
 test-long: export STORM_MARKS = 200000
-test-long: TESTS = --test storm
+test-long: export LOAD_SECONDS = 1800
+test-long: TESTS = --test storm --test load
 test-long: test
 
 .PHONY: setup demo test test-long install bench
