@@ -2,7 +2,8 @@
 //! producer that publishes some of them twice, the inbox-pattern consumer step (`dedup.mark()` + a balance update
 //! in one transaction), the points where a consumer can die, and the exactly-once check of the ledger.
 //!
-//! Everything above [`Broker`] is independent of the broker; [`Broker`] is the in-memory one the demo uses.
+//! Everything above [`Broker`] is independent of the broker; [`Broker`] is the in-memory one the demo uses by
+//! default, and [`amqp`] runs the same replay through a real RabbitMQ (`demo --rabbitmq`).
 
 use postgres::Client;
 use std::collections::{HashMap, VecDeque};
@@ -11,6 +12,8 @@ use std::sync::Mutex;
 
 /// The random generator the functions below take, re-exported so that callers need no dependency of their own.
 pub use fastrand::Rng;
+
+pub mod amqp;
 
 /// Accounts in the ledger, numbered 1 to `ACCOUNTS`.
 pub const ACCOUNTS: i32 = 20;
@@ -105,6 +108,14 @@ pub fn prepare(db: &mut Client) -> Result<(), postgres::Error> {
     ))
 }
 
+/// The consumer's statements, shared by [`apply`] and its async twin in [`amqp`].
+pub mod sql {
+    /// Claims the event id in the inbox `payments`: true the first time it is seen.
+    pub const MARK: &str = "SELECT dedup.mark($1, NULL, 'payments')";
+    /// Applies a payment ($1 account, $2 amount): run only when the mark was new.
+    pub const CREDIT: &str = "UPDATE accounts SET balance = balance + $2 WHERE id = $1";
+}
+
 /// The consumer's work for one delivery, the inbox way: BEGIN; `dedup.mark()`; the balance update only when the
 /// mark was new; COMMIT. Returns whether the event was new. Before each of the first three crash points it asks
 /// `dies_at(point)`; on `true` it stops right there and returns `Err(point)`, leaving the transaction open for
@@ -114,11 +125,10 @@ pub fn apply(db: &mut Client, event: &Event, mut dies_at: impl FnMut(Crash) -> b
     let mut point = |p| if dies_at(p) { Err(p) } else { Ok(()) };
     point(Crash::BeforeMark)?;
     db.batch_execute("BEGIN").expect("BEGIN");
-    let new: bool = db.query_one("SELECT dedup.mark($1, NULL, 'payments')", &[&event.id]).expect("mark").get(0);
+    let new: bool = db.query_one(sql::MARK, &[&event.id]).expect("mark").get(0);
     point(Crash::AfterMark)?;
     if new {
-        db.execute("UPDATE accounts SET balance = balance + $2 WHERE id = $1", &[&event.account, &event.amount])
-            .expect("update balance");
+        db.execute(sql::CREDIT, &[&event.account, &event.amount]).expect("update balance");
     }
     point(Crash::BeforeCommit)?;
     db.batch_execute("COMMIT").expect("COMMIT");
