@@ -4,6 +4,7 @@
 #   make test    the whole suite on every supported major (PG_VERSIONS=15 make test to narrow)
 #   make test-long  the long reliability runs (the full-size race storm, 30 minutes of steady load)
 #   make bench   benchmarks against baselines measured in the same run (BENCH_QUICK=1 for a short run)
+#   make package  install artifacts in dist/: a tarball per major, a .deb for Debian's PostgreSQL 15
 # Both run scripts/setup.sh first: it installs what is missing (apt packages, cargo-pgrx, PostgreSQL 13 and 18
 # built from source) and does nothing when everything is in place.
 
@@ -23,7 +24,7 @@ test-long: export LOAD_SECONDS = 1800
 test-long: TESTS = --test storm --test load
 test-long: test
 
-.PHONY: setup demo test test-long install bench
+.PHONY: setup demo test test-long install bench package package-test
 setup:
 	@scripts/setup.sh
 
@@ -48,3 +49,13 @@ test: setup
 bench: setup
 	@scripts/pg.sh install_extension $(DEMO_PG) --release
 	@PG_CONFIG=$$(scripts/pg.sh pg_config_for $(DEMO_PG)) cargo run -q --release -p pg_dedup_bench --bin bench
+
+# Release builds packaged for users (scripts/package.sh): a tarball per major in PG_VERSIONS and a .deb for each that
+# is Debian's own PostgreSQL (15). package-test installs the .deb with dpkg -i, uses it in a fresh cluster, removes it
+# with dpkg -r and puts back the files it replaced; CI runs it after `make test`.
+package: setup
+	@scripts/package.sh build $(PG_VERSIONS)
+
+package-test: setup
+	@scripts/package.sh build 15
+	@scripts/package.sh test 15

@@ -10,33 +10,42 @@ pg_config_for() {
   esac
 }
 
-# Builds pg_dedup for major $1 and installs it into that Postgres (its lib and share directories); extra arguments
-# (e.g. --release; the default is a debug build) go to cargo pgrx package.
-# The build is staged with `cargo pgrx package`, then each file is put in place by rename: a server running from the
-# old library keeps its mapping of the old file instead of seeing it rewritten underneath it (which can crash it).
+# Builds pg_dedup for major $1 into the empty directory $2, laid out as it installs (absolute paths under $2: the
+# library in that Postgres' pkglibdir, the control file and SQL scripts in its sharedir/extension). Extra arguments
+# (e.g. --release; the default is a debug build) go to cargo pgrx package. Used by install_extension and by
+# scripts/package.sh, so the packages hold exactly what a source install does.
 # The staged files are the library, the current version's script and the upgrade scripts (sql/pg_dedup--A--B.sql);
 # the install scripts of earlier releases (sql/releases/) are added, so `CREATE EXTENSION pg_dedup VERSION '0.1.0'`
 # works (the upgrade test starts from each of them).
-install_extension() {
-  local major=$1 sudo=()
-  shift
-  [ "$(id -u)" -eq 0 ] || sudo=(sudo)
-  local here stage out arg args=()
+stage_extension() {
+  local major=$1 stage=$2
+  shift 2
+  local here out arg args=()
   here=$(cd "$(dirname "$0")/.." && pwd)
   local profile=--debug # cargo pgrx package builds release unless told --debug
   for arg in "$@"; do
     if [ "$arg" = --release ]; then profile=--release; else args+=("$arg"); fi
   done
   [ "$profile" = --release ] && profile=
-  stage=$(mktemp -d)
-  trap 'rm -rf "$stage"' RETURN
   if ! out=$(cargo pgrx package --pg-config "$(pg_config_for "$major")" --out-dir "$stage" --no-default-features \
       --features "pg$major" $profile ${args[@]+"${args[@]}"} 2>&1); then
     printf '%s\n' "$out" >&2
     return 1
   fi
   cp "$here"/sql/releases/pg_dedup--*.sql "$stage$("$(pg_config_for "$major")" --sharedir)/extension/"
-  local file target
+}
+
+# Builds pg_dedup for major $1 and installs it into that Postgres (its lib and share directories); extra arguments
+# as for stage_extension.
+# The build is staged, then each file is put in place by rename: a server running from the old library keeps its
+# mapping of the old file instead of seeing it rewritten underneath it (which can crash it).
+install_extension() {
+  local major=$1 sudo=() stage file target
+  shift
+  [ "$(id -u)" -eq 0 ] || sudo=(sudo)
+  stage=$(mktemp -d)
+  trap 'rm -rf "$stage"' RETURN
+  stage_extension "$major" "$stage" "$@"
   while IFS= read -r file; do
     target=${file#"$stage"}
     "${sudo[@]}" install -D -m "$(stat -c %a "$file")" "$file" "$target.new.$$"
