@@ -120,7 +120,6 @@ pub fn init() {
 /// The databases named in `dedup.database` (a comma-separated list), each once.
 pub fn worker_databases() -> Vec<String> {
     let list = DATABASE.get().and_then(|s| s.into_string().ok()).unwrap_or_default();
-    let mut names: Vec<String> = list.split(',').map(|s| s.trim().to_owned()).filter(|s| !s.is_empty()).collect();
-    names.dedup();
-    names
+    let mut seen = std::collections::HashSet::new();
+    list.split(',').map(|s| s.trim().to_owned()).filter(|s| !s.is_empty() && seen.insert(s.clone())).collect()
 }

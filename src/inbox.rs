@@ -230,8 +230,9 @@ fn dedup_relation_oid(relname: &str) -> pg_sys::Oid {
     unsafe { pg_sys::get_relname_relid(rel.as_ptr(), schema_oid()) }
 }
 
-/// Every call reads the registry to find its inbox: a caller who may not gets a dedup error saying which grant is
-/// missing, instead of a raw permission error from inside SPI.
+/// Finding an inbox reads the registry (once per inbox and session): a caller who may not read it gets a dedup
+/// error saying which grant is missing, instead of a raw permission error from inside SPI. (Column privileges on
+/// the registry do not count: grant SELECT on the table.)
 fn check_registry_readable() {
     let relid = dedup_relation_oid("inbox_registry");
     let readable = unsafe { pg_sys::pg_class_aclcheck(relid, pg_sys::GetUserId(), pg_sys::ACL_SELECT as pg_sys::AclMode) };

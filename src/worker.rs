@@ -193,23 +193,30 @@ pub extern "C-unwind" fn pg_dedup_worker_main(arg: pg_sys::Datum) {
         server_log!("pg_dedup worker: no free worker slot (at most {} databases); exiting", shmem::MAX_DATABASES);
         return;
     };
-    let previous = slot.pid.load(Ordering::Acquire);
-    if previous != me && serving(previous, db) {
-        return; // A worker for this database is running already (started by an earlier launcher).
+    // Claim the slot, unless a live worker holds it (one an earlier launcher started); compare-and-swap, so that of
+    // two workers starting at once only one stays.
+    loop {
+        let previous = slot.pid.load(Ordering::Acquire);
+        if serving(previous, db) {
+            return;
+        }
+        if slot.pid.compare_exchange(previous, me, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+            break;
+        }
     }
-    slot.pid.store(me, Ordering::Release);
     let database = in_transaction("looking up the database name", || unsafe {
-        std::ffi::CStr::from_ptr(pg_sys::get_database_name(db)).to_string_lossy().into_owned()
-    })
-    .unwrap_or_default();
+        let name = pg_sys::get_database_name(db);
+        (!name.is_null()).then(|| std::ffi::CStr::from_ptr(name).to_string_lossy().into_owned())
+    });
+    let Some(database) = database.flatten() else {
+        slot.pid.store(0, Ordering::Release);
+        return; // dropped meanwhile: the launcher finds no such database and starts nobody
+    };
     server_log!("pg_dedup worker: looking after the inboxes of database \"{database}\"");
     let mut told_missing = false;
     let mut last_purge: Option<Instant> = None;
     loop {
-        if BackgroundWorker::sighup_received() {
-            unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
-        }
-        if !guc::worker_databases().contains(&database) {
+        if !reload_and_still_listed(&database) {
             server_log!("pg_dedup worker: database \"{database}\" is no longer in dedup.database; stopping");
             slot.pid.store(0, Ordering::Release);
             return; // exit code 0: the postmaster does not start it again
@@ -230,13 +237,14 @@ pub extern "C-unwind" fn pg_dedup_worker_main(arg: pg_sys::Datum) {
             in_transaction("looking after the Bloom filter", look_after_filter);
             if guc::PURGE.get() && last_purge.is_none_or(|t| t.elapsed() >= interval) {
                 last_purge = Some(Instant::now());
-                purge_cycle(slot);
-                // Publish the cycle's table statistics, as a backend does when it goes idle: autovacuum learns of
-                // the dead rows only from them, so without this it would never vacuum for what we purge.
-                #[allow(clippy::let_unit_value)] // returns the time until the next flush from PostgreSQL 15 on
-                let _ = unsafe { pg_sys::pgstat_report_stat(false) };
+                purge_cycle(slot, &database);
             }
         }
+        // Publish what the purges did to the table statistics, as a backend does when it goes idle: autovacuum
+        // learns of the dead rows only from them. A no-op when nothing is pending; what is held back (flushed
+        // less than a second ago) goes out on a later round.
+        #[allow(clippy::let_unit_value)] // returns the time until the next flush from PostgreSQL 15 on
+        let _ = unsafe { pg_sys::pgstat_report_stat(false) };
         // Wake for the next purge or the next look at the filter, whichever comes first (with purging off, only
         // the latter: before, an idle worker with `dedup.purge = off` woke every 10 ms).
         let until_purge = match (guc::PURGE.get(), last_purge) {
@@ -245,15 +253,26 @@ pub extern "C-unwind" fn pg_dedup_worker_main(arg: pg_sys::Datum) {
             (true, Some(t)) => interval.saturating_sub(t.elapsed()),
         };
         if !BackgroundWorker::wait_latch(Some(until_purge.clamp(Duration::from_millis(10), NAP))) {
-            // Terminated: the launcher notices and starts a new worker (unless the database left the list).
+            // Terminated (the launcher notices and starts a new worker, unless the database left the list), or
+            // the postmaster died (then nothing is restarted).
             slot.pid.store(0, Ordering::Release);
             exit_for_restart();
         }
     }
 }
 
-/// One purge cycle over every inbox of this database.
-fn purge_cycle(slot: &WorkerSlot) {
+/// Reloads the configuration when asked to (SIGHUP); is this worker's database still in `dedup.database`?
+fn reload_and_still_listed(database: &str) -> bool {
+    if BackgroundWorker::sighup_received() {
+        unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
+    }
+    guc::worker_databases().iter().any(|name| name == database)
+}
+
+/// One purge cycle over every inbox of this database. It stops between two batches when the worker is asked to
+/// stop, or its database has left `dedup.database` (so that a DROP DATABASE after the reload need not wait for a
+/// long cycle).
+fn purge_cycle(slot: &WorkerSlot, database: &str) {
     let started = Instant::now();
     slot.last_cycle_start.store(unsafe { pg_sys::GetCurrentTimestamp() }, Ordering::Relaxed);
     let names = in_transaction("listing inboxes", inbox::all_names).unwrap_or_default();
@@ -265,7 +284,7 @@ fn purge_cycle(slot: &WorkerSlot) {
     for name in &names {
         let mut capped = false;
         loop {
-            if BackgroundWorker::sigterm_received() {
+            if BackgroundWorker::sigterm_received() || !reload_and_still_listed(database) {
                 return;
             }
             let limit = (guc::PURGE_BATCH_SIZE.get() as i64).min(cap - total);
@@ -294,8 +313,8 @@ fn purge_cycle(slot: &WorkerSlot) {
                 break;
             }
             let delay = guc::PURGE_BATCH_DELAY.get();
-            if delay > 0 {
-                BackgroundWorker::wait_latch(Some(Duration::from_millis(delay as u64)));
+            if delay > 0 && !BackgroundWorker::wait_latch(Some(Duration::from_millis(delay as u64))) {
+                return; // terminated, or the postmaster died
             }
         }
         record_backlog(name, capped);
