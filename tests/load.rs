@@ -9,7 +9,6 @@
 use pg_dedup_harness::postgres::Client;
 use pg_dedup_tests::*;
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -210,23 +209,16 @@ fn mb(bytes: i64) -> f64 {
 /// clients saw, the samples and the seconds it took.
 fn run(cluster: &Cluster, c: &mut Client, seconds: u64, rate: f64) -> (Vec<Tally>, Vec<Sample>, f64) {
     let recent = Recent::default();
-    let finished = AtomicUsize::new(0);
     let start = Instant::now();
     let deadline = start + Duration::from_secs(seconds);
     let mut samples = Vec::new();
     let tallies: Vec<Tally> = std::thread::scope(|s| {
-        let (recent, finished) = (&recent, &finished);
-        let clients: Vec<_> = (0..CLIENTS)
-            .map(|n| {
-                s.spawn(move || {
-                    let t = client(cluster, n, rate / CLIENTS as f64, deadline, recent);
-                    finished.fetch_add(1, Ordering::SeqCst);
-                    t
-                })
-            })
-            .collect();
+        let recent = &recent;
+        let clients: Vec<_> =
+            (0..CLIENTS).map(|n| s.spawn(move || client(cluster, n, rate / CLIENTS as f64, deadline, recent))).collect();
         let mut next = start;
-        while finished.load(Ordering::SeqCst) < CLIENTS {
+        // Until every client has ended, whether it finished or panicked (then the join below reports it).
+        while !clients.iter().all(|c| c.is_finished()) {
             next += Duration::from_secs(1);
             std::thread::sleep(next.saturating_duration_since(Instant::now()));
             let s = sample(c, cluster, start.elapsed().as_secs_f64());

@@ -73,8 +73,8 @@ fn consumers_dying_on_a_real_broker_leave_an_exactly_once_ledger() {
     let dir = node.dir().to_owned();
     drop(node);
     assert!(!dir.exists(), "the node's directory {} is left", dir.display());
-    let left_behind = processes_in(&dir);
-    assert!(left_behind.is_empty(), "processes of the node left running: {left_behind:?}");
+    // Erlang's helper processes may outlive the node by a moment.
+    eventually("the node's processes are gone", || processes_in(&dir).is_empty());
     println!("{counts}: ledger exact, queue empty, node gone");
 }
 
