@@ -111,13 +111,16 @@ build_deb() {
     "$pkg" "$VERSION" "$VERSION" "$MAINTAINER" "$(date -R)" | gzip -9n >"$doc/changelog.Debian.gz"
   find "$root" -type d -exec chmod 755 {} +
   chmod 644 "$doc"/*
+  local libs
+  libs=$(shlib_depends "$root/usr/lib/postgresql/$major/lib/pg_dedup.so")
+  [ -n "$libs" ] || die "dpkg-shlibdeps found no library dependencies for pg_dedup.so"
   cat >"$root/DEBIAN/control" <<EOF
 Package: $pkg
 Version: $VERSION-1
 Architecture: $ARCH
 Maintainer: $MAINTAINER
 Installed-Size: $(du -sk --exclude=DEBIAN "$root" | cut -f1)
-Depends: postgresql-$major, $(shlib_depends "$root/usr/lib/postgresql/$major/lib/pg_dedup.so")
+Depends: postgresql-$major, $libs
 Section: database
 Priority: optional
 Description: message deduplication (inbox pattern) for PostgreSQL $major
@@ -219,8 +222,9 @@ cleanup_test() {
   if dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q ' installed$'; then as_root dpkg -r "$pkg" >/dev/null; fi
   if [ -d "$tmp/saved" ]; then
     while IFS= read -r f; do
-      as_root install -D -m "$(stat -c %a "$f")" "$f" "${f#"$tmp/saved"}.new.$$"
-      as_root mv -f "${f#"$tmp/saved"}.new.$$" "${f#"$tmp/saved"}"
+      # One failed file must not keep the others from being put back.
+      as_root install -D -m "$(stat -c %a "$f")" "$f" "${f#"$tmp/saved"}.new.$$" &&
+        as_root mv -f "${f#"$tmp/saved"}.new.$$" "${f#"$tmp/saved"}" || log "could not put back ${f#"$tmp/saved"}"
     done < <(find "$tmp/saved" -type f)
     log "put back the pg_dedup files that were installed before the test"
   fi
