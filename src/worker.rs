@@ -1,9 +1,9 @@
 //! Background workers (preloaded only). A launcher, connected to no database, starts one worker per database named
-//! in `dedup.database` once that database exists, starts it again if it dies (a crash, `pg_terminate_backend`),
-//! and a worker stops by itself when its database leaves the list (on the configuration reload). Each database's worker purges expired marks every
-//! `dedup.purge_interval`, batch by batch in short transactions, and keeps the shared Bloom filter loaded for the
-//! database's inboxes. Nothing crash-loops: a missing database or extension is logged once and waited for, and an
-//! ERROR in one batch is logged and the next goes on.
+//! in `dedup.database` once that database exists, and starts it again if it dies (a crash, `pg_terminate_backend`);
+//! a worker stops by itself when a configuration reload takes its database off the list. Each database's worker
+//! purges expired marks every `dedup.purge_interval`, batch by batch in short transactions, and keeps the shared
+//! Bloom filter loaded for the database's inboxes. Nothing crash-loops: a missing database or extension is logged
+//! once and waited for, and an ERROR in one batch is logged and the next goes on.
 
 use crate::claim::statement_now;
 use crate::errors::server_log;
@@ -86,9 +86,7 @@ pub extern "C-unwind" fn pg_dedup_launcher_main(_arg: pg_sys::Datum) {
     let mut workers: HashMap<String, DynamicBackgroundWorker> = HashMap::new();
     let mut told_missing: HashSet<String> = HashSet::new();
     loop {
-        if BackgroundWorker::sighup_received() {
-            unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
-        }
+        reload_if_asked();
         let wanted = guc::worker_databases();
         // A worker whose database left the list stops by itself (it reloads the configuration too), whichever
         // launcher started it. One that stopped otherwise (crashed, terminated, its database dropped) is started
@@ -261,11 +259,16 @@ pub extern "C-unwind" fn pg_dedup_worker_main(arg: pg_sys::Datum) {
     }
 }
 
-/// Reloads the configuration when asked to (SIGHUP); is this worker's database still in `dedup.database`?
-fn reload_and_still_listed(database: &str) -> bool {
+/// Reloads the configuration files if a SIGHUP asked for it (pg_reload_conf()).
+fn reload_if_asked() {
     if BackgroundWorker::sighup_received() {
         unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
     }
+}
+
+/// Reloads the configuration when asked to; is this worker's database still in `dedup.database`?
+fn reload_and_still_listed(database: &str) -> bool {
+    reload_if_asked();
     guc::worker_databases().iter().any(|name| name == database)
 }
 
