@@ -230,8 +230,8 @@ fn dedup_relation_oid(relname: &str) -> pg_sys::Oid {
     unsafe { pg_sys::get_relname_relid(rel.as_ptr(), schema_oid()) }
 }
 
-/// Finding an inbox reads the registry (once per inbox and session): a caller who may not read it gets a dedup
-/// error saying which grant is missing, instead of a raw permission error from inside SPI. (Column privileges on
+/// Finding an inbox (once per inbox and session) or listing them reads the registry: a caller who may not read it
+/// gets a dedup error saying which grant is missing, instead of a raw permission error from inside SPI. (Column privileges on
 /// the registry do not count: grant SELECT on the table.)
 fn check_registry_readable() {
     let relid = dedup_relation_oid("inbox_registry");
@@ -453,6 +453,7 @@ fn serialize_registry_changes(client: &mut SpiClient<'_>) {
 
 /// Names of every registered inbox, for `purge()` over all of them.
 pub fn all_names() -> Vec<String> {
+    check_registry_readable();
     Spi::connect(|client| {
         client
             .select("SELECT name FROM dedup.inbox_registry ORDER BY name", None, &[])
