@@ -45,7 +45,7 @@ install_extension() {
   [ "$(id -u)" -eq 0 ] || sudo=(sudo)
   stage=$(mktemp -d)
   trap 'rm -rf "$stage"' RETURN
-  stage_extension "$major" "$stage" "$@" || { rm -rf "$stage"; return 1; }
+  stage_extension "$major" "$stage" "$@" || return 1 # (not under set -e: the RETURN trap still cleans up)
   while IFS= read -r file; do
     target=${file#"$stage"}
     "${sudo[@]}" install -D -m "$(stat -c %a "$file")" "$file" "$target.new.$$"
