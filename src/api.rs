@@ -10,7 +10,7 @@ use crate::inbox::{self, Access, Inbox};
 use crate::{claim, guc, input, purge};
 use pgrx::prelude::*;
 use std::cell::Cell;
-use std::collections::HashSet;
+use rustc_hash::FxHashSet as HashSet;
 
 thread_local! {
     static TOLD_DEGRADED: Cell<bool> = const { Cell::new(false) };
@@ -132,10 +132,10 @@ fn mark_many(
     let ids = input::ids(ids);
     let ttl = ttl.map(input::ttl);
     let inbox = inbox::open(input::inbox_name(inbox), Access::Mark);
-    let fresh = if ids.is_empty() { HashSet::new() } else { claim_and_count(&inbox, &ids, ttl) };
-    let mut reported = HashSet::new();
+    let fresh = if ids.is_empty() { HashSet::default() } else { claim_and_count(&inbox, &ids, ttl) };
+    let mut reported = HashSet::default();
     let new_in_order: Vec<String> =
-        ids.into_iter().filter(|id| fresh.contains(id) && reported.insert(id.clone())).collect();
+        ids.iter().filter(|id| fresh.contains(*id) && reported.insert(id.as_str())).cloned().collect();
     SetOfIterator::new(new_in_order)
 }
 

@@ -9,16 +9,18 @@
 //! 3. anything left vanished between statements (a concurrent purge or forget) or lost a renewal race; go round.
 //!
 //! When the shared filter says "maybe" for an id, step 2 comes first (a likely duplicate is answered by one
-//! lookup, with no insert attempt); when it says "certainly new", the insert goes first and is usually all it takes.
+//! lookup, with no insert attempt); when it says "certainly new", the insert goes first and is usually all it takes:
+//! those ids (and suspects the lookup did not find) go straight into heap and indexes (`direct_insert`), and only
+//! what that could not settle takes the rounds.
 //!
 //! Ids are processed in sorted order, so two `mark_many()` calls with overlapping ids lock rows in the same order
 //! and cannot deadlock each other.
 
-use crate::bulk_insert;
+use crate::direct_insert;
 use crate::errors::raise;
 use crate::inbox::{Inbox, Stmt};
 use pgrx::prelude::*;
-use std::collections::HashSet;
+use rustc_hash::FxHashSet as HashSet;
 
 /// Rounds of insert/probe/renew before giving up. Each extra round needs a concurrent purge or forget of the very
 /// same id between two statements, so more than a couple of rounds means something is badly wrong.
@@ -54,8 +56,8 @@ pub struct Outcome {
 
 /// Claims `ids` for the window ending at `expires_at`. `suspects` is what the filter said: None when no filter
 /// answered, else the ids it could not call "certainly new". Suspects are probed before any insert is tried, so a
-/// duplicate costs one index lookup. When a filter answered, what is left is most likely all new and goes in by
-/// the bulk insert in one go; whatever that cannot settle takes the ordinary rounds, whose conflict check is the
+/// duplicate costs one index lookup. When a filter answered, what is left is most likely all new and goes straight
+/// into heap and indexes; whatever that cannot settle takes the ordinary rounds, whose conflict check is the
 /// truth either way.
 pub fn claim(
     inbox: &Inbox,
@@ -76,9 +78,14 @@ pub fn claim(
             let duplicates = before - pending.len() - out.renewals as usize;
             out.false_positives = (probe_first.len() - duplicates) as u64;
         }
-        if bulk_insert::insert_all(inbox, &pending, expires_at) {
-            out.fresh.extend(pending);
-            return out;
+        if !pending.is_empty() {
+            let inserted = direct_insert::insert(inbox, &pending, expires_at);
+            if inserted.len() == pending.len() {
+                pending.clear();
+            } else {
+                pending.retain(|id| inserted.binary_search(id).is_err());
+            }
+            out.fresh.extend(inserted);
         }
     }
     for _ in 0..MAX_ROUNDS {
@@ -126,14 +133,14 @@ fn insert(inbox: &Inbox, ids: &[String], expires_at: TimestampWithTimeZone) -> H
         let inserted = Spi::connect(|client| {
             !inbox.run(client, Stmt::Insert, &[id.as_str().into(), expires_at.into()]).is_empty()
         });
-        return if inserted { HashSet::from([id.clone()]) } else { HashSet::new() };
+        return if inserted { HashSet::from_iter([id.clone()]) } else { HashSet::default() };
     }
     returned_ids(inbox, Stmt::InsertMany, &[ids.to_vec().into(), expires_at.into()])
 }
 
 /// Splits the rows visible now into live ids and (sorted) expired ids.
 fn probe(inbox: &Inbox, ids: &[String], now: TimestampWithTimeZone) -> (HashSet<String>, Vec<String>) {
-    let (mut live, mut expired) = (HashSet::new(), Vec::new());
+    let (mut live, mut expired) = (HashSet::default(), Vec::new());
     Spi::connect(|client| {
         let rows = match ids {
             [id] => inbox.run(client, Stmt::ProbeOne, &[id.as_str().into()]),

@@ -6,7 +6,7 @@
 //!   `dedup.bloom_false_positive_rate`. Lookups read the *active* generation only.
 //! - Every key that may reach an inbox table goes into **both** generations *before* its row is written: a row
 //!   trigger on every inbox table (BEFORE INSERT OR UPDATE, `ENABLE ALWAYS`, so it also fires for COPY, restores and
-//!   logical replication) adds `NEW.id`, and the bulk insert (bulk_insert.rs), which bypasses triggers, does the
+//!   logical replication) adds `NEW.id`, and the direct insert (direct_insert.rs), which bypasses triggers, does the
 //!   same itself. Rollbacks, `forget()`, TRUNCATE and expiry only leave extra bits: false
 //!   positives, never false negatives.
 //! - An inbox is *trusted* in a generation only once its rows were loaded into it (a rebuild scanned the table, or
@@ -34,7 +34,7 @@ pub fn is_preloaded() -> bool {
 }
 
 /// Adds keys to both generations. Called for every row written to an inbox table, before it is written (by the
-/// filter trigger, and by the bulk insert, which bypasses triggers).
+/// filter trigger, and by the direct insert, which bypasses triggers).
 pub fn add<S: AsRef<str>>(ns: u64, ids: &[S]) {
     if let Some(h) = region() {
         // The rows are about to be written, which takes a transaction id anyway; taking it before the bits are set

@@ -3,7 +3,7 @@
 //! Table of contents:
 //! - `api`     — the SQL functions in schema `dedup` (mark, mark_many, seen, forget, inboxes, purge)
 //! - `claim`   — the claim algorithm: insert, wait for concurrent claims, renew expired marks
-//! - `bulk_insert` — certainly-new ids straight into heap and indexes, undone if one exists after all
+//! - `direct_insert` — certainly-new ids straight into heap and indexes, without the executor
 //! - `inbox`   — inbox tables, their registry and the per-backend cache of prepared statements
 //! - `filter`  — the shared-memory Bloom filter in front of the indexes (preloaded only)
 //! - `rebuild` — loading inbox tables into the filter
@@ -18,8 +18,8 @@
 //! - `sql/`    — the hand-written SQL objects (row type, registry, default inbox, views, privileges)
 
 mod api;
-mod bulk_insert;
 mod claim;
+mod direct_insert;
 mod errors;
 mod filter;
 mod guc;

@@ -5,7 +5,7 @@ use pgrx::prelude::*;
 
 /// A subtransaction that wrote something leaves its xid in the backend's cache of subtransaction ids until the
 /// top-level transaction ends. Past 64 that cache overflows and snapshots all over the cluster get slower (the
-/// classic subtransaction-overflow trap), so our optional subtransactions (the bulk insert, purge's quick attempt)
+/// classic subtransaction-overflow trap), so our optional subtransactions (the batch insert, purge's quick attempt)
 /// step aside once half of it is used, by us or by the application's own savepoints.
 const SUBXID_ROOM: u8 = 32;
 

@@ -1,6 +1,7 @@
-//! The bulk insert (preloaded servers): ids the filter calls certainly new go straight into the heap and indexes,
-//! without the executor and without firing the table's filter trigger — and anything it cannot vouch for (a row
-//! the filter never saw, another trigger on the table) goes the ordinary way, with the same answers.
+//! The direct insert (preloaded servers): ids the filter calls certainly new go straight into the heap and
+//! indexes — a batch by one multi-insert, fewer ids by speculative insertion — without the executor and without
+//! firing the table's filter trigger; and anything it cannot vouch for (a row the filter never saw, a concurrent
+//! claim of the same id, another trigger on the table) goes the ordinary way, with the same answers.
 
 use pg_dedup_harness::postgres::Client;
 use pg_dedup_tests::*;
@@ -54,9 +55,9 @@ fn certainly_new_ids_bypass_the_executor_and_still_reach_the_filter() {
     c.batch_execute("BEGIN").unwrap();
     assert_eq!(mark_many(&mut c, &strs(&batch), "default").len(), 200);
     assert_eq!(trigger_calls(&mut c), 0, "the bulk insert wrote the rows, not the executor");
-    // A single id is not worth a subtransaction (and a second xid): it takes the executor's ON CONFLICT plan.
+    // A single id goes in by speculative insertion, without the executor either (and without a subtransaction).
     assert!(mark(&mut c, "single"));
-    assert_eq!(trigger_calls(&mut c), 1);
+    assert_eq!(trigger_calls(&mut c), 0, "the speculative insertion wrote the row, not the executor");
     c.batch_execute("COMMIT").unwrap();
     assert_eq!(count(&mut c, "dedup.inbox_default"), 201);
     // The filter knows every id: all are "maybe" now, and duplicates.
@@ -74,16 +75,51 @@ fn a_row_the_filter_never_saw_sends_the_call_the_ordinary_way() {
     let mut call = strs(&new);
     call.insert(5, "hidden");
     c.batch_execute("BEGIN; CREATE TABLE ledger (id text)").unwrap();
-    // The filter says "certainly new" for all eleven; the unique index says otherwise for one, the attempt is
-    // undone and the ordinary claim answers — inside the caller's transaction, which goes on unharmed.
+    // The filter says "certainly new" for all eleven; the unique index says otherwise for one, the batch is
+    // undone, each id is tried on its own, and the ordinary claim answers for the one with a row — inside the
+    // caller's transaction, which goes on unharmed.
     assert_eq!(trigger_calls(&mut c), 0);
     assert_eq!(mark_many(&mut c, &call, "default"), new);
-    // The executor took over all eleven (its BEFORE trigger fires for the conflicting one too).
-    assert_eq!(trigger_calls(&mut c), 11, "the executor claimed the ids after the undone attempt");
+    assert_eq!(trigger_calls(&mut c), 1, "only the id with a row took the executor after the undone batch");
     c.batch_execute("INSERT INTO ledger VALUES ('done'); COMMIT").unwrap();
     assert_eq!(count(&mut c, "ledger"), 1);
     assert_eq!(count(&mut c, "dedup.inbox_default"), 11);
     assert_no_resource_leaks(&cluster);
+}
+
+/// Session A marks `x` directly and holds its transaction open; session B then marks `x`. B's filter says "maybe"
+/// (A set the bits), B's lookup sees no committed row, so B tries the speculative insertion: the unique index holds
+/// A's entry, B's row is killed on the spot and B's ordinary claim waits for A. Returns B's answer and how often
+/// B's executor fired the filter trigger.
+fn claim_behind_an_open_direct_insert(db: &str, finish_first: &str) -> (bool, i64) {
+    let (cluster, mut first) = server(db);
+    let mut observer = cluster.connect(db);
+    first.batch_execute("BEGIN").unwrap();
+    assert!(mark(&mut first, "x"));
+    assert_eq!(trigger_calls(&mut first), 0, "the first mark went in directly");
+    let mut second = cluster.connect(db);
+    let pid = backend_pid(&mut second);
+    let waiter = std::thread::spawn(move || {
+        second.batch_execute("BEGIN").unwrap();
+        let said = mark(&mut second, "x");
+        let calls = trigger_calls(&mut second);
+        second.batch_execute("COMMIT").unwrap();
+        (said, calls)
+    });
+    wait_until_blocked(&mut observer, pid);
+    first.batch_execute(finish_first).unwrap();
+    let answer = waiter.join().expect("the waiting mark() must not fail");
+    assert_eq!(count(&mut observer, "dedup.inbox_default"), 1, "one row for x, whoever won");
+    answer
+}
+
+#[test]
+fn a_concurrent_claim_of_the_same_id_waits_behind_a_speculative_insertion() {
+    let (second, executor_calls) = claim_behind_an_open_direct_insert("spec_commit", "COMMIT");
+    assert!(!second, "the first transaction committed: the waiting mark is a duplicate");
+    assert_eq!(executor_calls, 1, "the killed speculative row sent the second claim the ordinary way");
+    let (second, _) = claim_behind_an_open_direct_insert("spec_rollback", "ROLLBACK");
+    assert!(second, "the first transaction rolled back: the waiting mark claims the id");
 }
 
 #[test]

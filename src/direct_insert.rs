@@ -1,0 +1,214 @@
+//! Writing ids the filter vouches for straight into an inbox table's heap and indexes, instead of through
+//! `INSERT ... ON CONFLICT` and the executor.
+//!
+//! Why it pays: for an id the filter calls "certainly new" (or a suspect the lookup just failed to find), ON
+//! CONFLICT's pre-check — a descent of the primary key in search of the id — finds nothing, and the executor
+//! around the insert (a plan started and ended, a trigger call, a RETURNING row) does nothing the row needs. Two
+//! ways, by size:
+//! - a batch of `MIN_IDS` or more goes in with one multi-insert (one WAL record per heap page) and one index
+//!   insertion per row, in a subtransaction. If any id exists after all (a concurrent claim of the same id, or a
+//!   filter that was wrong), the unique index raises unique_violation — after waiting for an in-progress claim,
+//!   like ON CONFLICT does — and the whole attempt is undone;
+//! - otherwise (fewer ids, a failed batch, a transaction already holding many subtransactions) each id goes in
+//!   with the speculative-insertion protocol that ON CONFLICT itself uses, minus the pre-check: the row carries a
+//!   speculative token while its index entries go in, and if the unique index already holds the id (committed or
+//!   in progress) the row is killed on the spot, before anyone could wait for it. No subtransaction, so no second
+//!   transaction id.
+//!
+//! Either way the unique index stays the truth, and an id that did not go in is left to the caller's ordinary
+//! path, whose pre-check waits for the other claim. Tables with anything the executor would have to honour beyond
+//! the row itself (another trigger, a rule, row security, a CHECK constraint, columns an owner added after
+//! `NOT OF`) are always left to the executor.
+
+use crate::filter;
+use crate::inbox::Inbox;
+use crate::subxact;
+use pgrx::prelude::*;
+
+/// Batches of this many ids or more try the multi-insert: its subtransaction costs a second transaction id,
+/// which pays for itself only over a batch (and a mark per transaction must not double the rate at which the
+/// cluster consumes xids).
+const MIN_IDS: usize = 8;
+
+/// Inserts what it can of `ids` (sorted, distinct) with `expires_at` and returns the ids it inserted. Nothing was
+/// written for the others: the table needs the executor, or the id had a row after all.
+pub fn insert(inbox: &Inbox, ids: &[String], expires_at: TimestampWithTimeZone) -> Vec<String> {
+    let rel = unsafe { pg_sys::table_open(inbox.relid, pg_sys::RowExclusiveLock as pg_sys::LOCKMODE) };
+    let expires_at = expires_at.into_datum().expect("a timestamp is a datum");
+    let inserted = if !unsafe { only_the_row_matters(rel) } {
+        Vec::new()
+    } else if ids.len() >= MIN_IDS && subxact::has_room() && insert_all(rel, inbox.ns, ids, expires_at) {
+        ids.to_vec()
+    } else {
+        unsafe { insert_each(rel, inbox.ns, ids, expires_at) }
+    };
+    unsafe {
+        pg_sys::table_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
+        if !inserted.is_empty() {
+            // Later statements of this call (and of the transaction) must see the rows, as after any SQL insert.
+            pg_sys::CommandCounterIncrement();
+        }
+    }
+    inserted
+}
+
+/// All of `ids` in one multi-insert, or (when one of them has a row) none.
+fn insert_all(rel: pg_sys::Relation, ns: u64, ids: &[String], expires_at: pg_sys::Datum) -> bool {
+    subxact::undo_on(PgSqlErrorCode::ERRCODE_UNIQUE_VIOLATION, || unsafe { write_rows(rel, ns, ids, expires_at) })
+        .is_some()
+}
+
+/// Each of `ids` on its own, by speculative insertion; returns those that went in.
+unsafe fn insert_each(rel: pg_sys::Relation, ns: u64, ids: &[String], expires_at: pg_sys::Datum) -> Vec<String> {
+    with_indexes(rel, |estate, result_rel| {
+        let slot = row_slots(rel, 1)[0];
+        let inserted = ids.iter().filter(|id| insert_one(rel, ns, (estate, result_rel), slot, id, expires_at)).cloned().collect();
+        pg_sys::ExecDropSingleTupleTableSlot(slot);
+        inserted
+    })
+}
+
+/// What `INSERT ... ON CONFLICT DO NOTHING` does for a row once its pre-check found nothing (ExecInsert in
+/// nodeModifyTable.c): the row goes in under a speculative token, so a concurrent inserter of the same id waits
+/// only for our decision; if the unique index reports a conflict the row is killed rather than confirmed.
+unsafe fn insert_one(
+    rel: pg_sys::Relation,
+    ns: u64,
+    (estate, result_rel): (*mut pg_sys::EState, *mut pg_sys::ResultRelInfo),
+    slot: *mut pg_sys::TupleTableSlot,
+    id: &str,
+    expires_at: pg_sys::Datum,
+) -> bool {
+    // What the filter trigger does for the executor: the bits, before the row exists.
+    filter::add(ns, &[id]);
+    store_row(slot, id, expires_at);
+    let xid = pg_sys::GetCurrentTransactionId();
+    let token = pg_sys::SpeculativeInsertionLockAcquire(xid);
+    pg_sys::table_tuple_insert_speculative(rel, slot, pg_sys::GetCurrentCommandId(true), 0, std::ptr::null_mut(), token);
+    let mut conflict = false;
+    insert_index_entries(result_rel, slot, estate, Some(&mut conflict));
+    pg_sys::table_tuple_complete_speculative(rel, slot, token, !conflict);
+    pg_sys::SpeculativeInsertionLockRelease(xid);
+    !conflict
+}
+
+/// Does writing a row need nothing but the two values and their index entries? The table must still be the
+/// inbox row type exactly (its owner could have made it `NOT OF` and added columns with defaults), and the only
+/// trigger allowed is our own filter trigger, whose work is done here instead.
+unsafe fn only_the_row_matters(rel: pg_sys::Relation) -> bool {
+    let form = &*(*rel).rd_rel;
+    let desc = pgrx::PgTupleDesc::from_pg_unchecked((*rel).rd_att);
+    let column_is = |i: usize, name: &str, type_oid: pg_sys::Oid| {
+        desc.get(i).is_some_and(|a| !a.attisdropped && a.atttypid == type_oid && a.name() == name)
+    };
+    let constr = (*(*rel).rd_att).constr;
+    let triggers = (*rel).trigdesc;
+    let only_ours = triggers.is_null() || ((*triggers).numtriggers == 1 && is_filter_trigger(&*(*triggers).triggers));
+    form.relkind == pg_sys::RELKIND_RELATION as std::ffi::c_char
+        && form.reloftype != pg_sys::InvalidOid
+        && !form.relispartition
+        && !form.relrowsecurity
+        && desc.len() == 2
+        && column_is(0, "id", pg_sys::TEXTOID)
+        && column_is(1, "expires_at", pg_sys::TIMESTAMPTZOID)
+        // No CHECK constraints, defaults or generated columns (none can be added to a typed table's own columns
+        // but CHECK; the rest is belt and braces).
+        && (constr.is_null() || ((*constr).num_check == 0 && (*constr).num_defval == 0 && !(*constr).has_generated_stored))
+        && (*rel).rd_rules.is_null()
+        && only_ours
+}
+
+/// Is this the `dedup_filter` trigger as created by `create_inbox()`: our function, firing always?
+unsafe fn is_filter_trigger(t: &pg_sys::Trigger) -> bool {
+    let function = pg_sys::get_func_name(t.tgfoid);
+    !function.is_null()
+        && std::ffi::CStr::from_ptr(function).to_bytes() == b"inbox_filter_trigger"
+        && std::ffi::CStr::from_ptr(t.tgname).to_bytes() == b"dedup_filter"
+        && t.tgenabled == pg_sys::TRIGGER_FIRES_ALWAYS as std::ffi::c_char
+}
+
+/// The filter bits, then one multi-insert into the heap, then each row's index entries (raising unique_violation
+/// for an id that exists).
+unsafe fn write_rows(rel: pg_sys::Relation, ns: u64, ids: &[String], expires_at: pg_sys::Datum) {
+    // What the filter trigger does for the executor: the bits, before any row exists.
+    filter::add(ns, ids);
+    with_indexes(rel, |estate, result_rel| {
+        let slots = row_slots(rel, ids.len());
+        for (&slot, id) in slots.iter().zip(ids) {
+            store_row(slot, id, expires_at);
+        }
+        let multi_insert = (*(*rel).rd_tableam).multi_insert.expect("every table access method can multi-insert");
+        let cid = pg_sys::GetCurrentCommandId(true);
+        multi_insert(rel, slots.as_ptr() as *mut _, slots.len() as i32, cid, 0, std::ptr::null_mut());
+        for &slot in &slots {
+            insert_index_entries(result_rel, slot, estate, None);
+            pg_sys::ExecDropSingleTupleTableSlot(slot);
+        }
+    })
+}
+
+/// Runs `body` with the table's indexes open for insertion, in an executor state of our own (there is no query)
+/// whose memory holds everything `body` allocates and goes when it is done.
+unsafe fn with_indexes<R>(
+    rel: pg_sys::Relation,
+    body: impl FnOnce(*mut pg_sys::EState, *mut pg_sys::ResultRelInfo) -> R,
+) -> R {
+    let estate = pg_sys::CreateExecutorState();
+    let caller = pg_sys::MemoryContextSwitchTo((*estate).es_query_cxt);
+    let result_rel = pg_sys::palloc0(std::mem::size_of::<pg_sys::ResultRelInfo>()) as *mut pg_sys::ResultRelInfo;
+    (*result_rel).type_ = pg_sys::NodeTag::T_ResultRelInfo;
+    // Range-table index 0: there is no query, hence no range table.
+    pg_sys::InitResultRelInfo(result_rel, rel, 0, std::ptr::null_mut(), 0);
+    pg_sys::ExecOpenIndices(result_rel, false);
+    #[cfg(feature = "pg13")]
+    {
+        (*estate).es_result_relation_info = result_rel;
+    }
+    let result = body(estate, result_rel);
+    pg_sys::ExecCloseIndices(result_rel);
+    pg_sys::MemoryContextSwitchTo(caller);
+    pg_sys::FreeExecutorState(estate);
+    result
+}
+
+/// `n` empty slots for inbox rows. They share a private copy of the row type: the relation's own is
+/// reference-counted, and a thousand slots pinning it through the resource owner cost more than the inserts.
+unsafe fn row_slots(rel: pg_sys::Relation, n: usize) -> Vec<*mut pg_sys::TupleTableSlot> {
+    let desc = pg_sys::CreateTupleDescCopy((*rel).rd_att);
+    (0..n).map(|_| pg_sys::MakeSingleTupleTableSlot(desc, pg_sys::table_slot_callbacks(rel))).collect()
+}
+
+/// Makes `slot` hold the row (`id`, `expires_at`).
+unsafe fn store_row(slot: *mut pg_sys::TupleTableSlot, id: &str, expires_at: pg_sys::Datum) {
+    pg_sys::ExecClearTuple(slot);
+    let text = pg_sys::cstring_to_text_with_len(id.as_ptr() as *const std::ffi::c_char, id.len() as i32);
+    *(*slot).tts_values.add(0) = pg_sys::Datum::from(text);
+    *(*slot).tts_values.add(1) = expires_at;
+    *(*slot).tts_isnull.add(0) = false;
+    *(*slot).tts_isnull.add(1) = false;
+    pg_sys::ExecStoreVirtualTuple(slot);
+}
+
+/// Index entries for one stored row. Without `conflict` a duplicate key raises unique_violation (after waiting for
+/// an in-progress inserter); with it, a possible duplicate in the unique index sets `*conflict` instead, without
+/// waiting (a speculative insertion). No index here is deferrable: a deferrable constraint would have brought its
+/// own trigger, and the table would not qualify.
+unsafe fn insert_index_entries(
+    result_rel: *mut pg_sys::ResultRelInfo,
+    slot: *mut pg_sys::TupleTableSlot,
+    estate: *mut pg_sys::EState,
+    conflict: Option<&mut bool>,
+) {
+    let no_dup_err = conflict.is_some();
+    let conflict = conflict.map_or(std::ptr::null_mut(), |c| c as *mut bool);
+    // All unique indexes are arbiters (NIL), as for ON CONFLICT without a conflict target.
+    let arbiters = std::ptr::null_mut();
+    #[cfg(feature = "pg13")]
+    let _ = result_rel;
+    #[cfg(feature = "pg13")]
+    pg_sys::ExecInsertIndexTuples(slot, estate, no_dup_err, conflict, arbiters);
+    #[cfg(any(feature = "pg14", feature = "pg15"))]
+    pg_sys::ExecInsertIndexTuples(result_rel, slot, estate, false, no_dup_err, conflict, arbiters);
+    #[cfg(any(feature = "pg16", feature = "pg17", feature = "pg18"))]
+    pg_sys::ExecInsertIndexTuples(result_rel, slot, estate, false, no_dup_err, conflict, arbiters, false);
+}
