@@ -4,7 +4,8 @@
 #
 # It installs:
 #   - Debian packages: PostgreSQL 15 server + headers, libclang (pgrx's bindgen), sudo, build tools, and Redis
-#     (server + redis-benchmark: `make bench` compares mark() with Redis `SET NX EX`), and RabbitMQ (the demo's
+#     (server + redis-benchmark: `make bench` compares mark() with Redis `SET NX EX`), valgrind (`make bench`
+#     counts server instructions per call with callgrind), and RabbitMQ (the demo's
 #     broker mode and tests/rabbitmq.rs run a throwaway node of their own on other ports; the system service that
 #     Debian starts, where systemd runs, is left alone: it does not get in their way);
 #   - cargo-pgrx 0.18.1 (0.19 needs a newer rustc than this machine has);
@@ -23,7 +24,7 @@ log() { printf '[setup] %s\n' "$*" >&2; }
 as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 
 apt_packages=(postgresql-15 postgresql-server-dev-15 libclang-dev clang sudo build-essential pkg-config
-  flex bison libreadline-dev zlib1g-dev libssl-dev bzip2 ca-certificates redis-server redis-tools python3-psycopg
+  flex bison libreadline-dev zlib1g-dev libssl-dev bzip2 ca-certificates redis-server redis-tools python3-psycopg valgrind
   rabbitmq-server)
 
 install_apt_packages() {

@@ -5,7 +5,7 @@
 //! table, for GitHub) and .svg (the ratios and the growth curve).
 //!
 //! BENCH_QUICK=1 runs fewer rounds on smaller inputs (under two minutes); BENCH_ONLY=clients,growth runs only the
-//! sections named (filter, expiry, clients, growth) and writes no results files; BENCH_VERBOSE=1 prints every
+//! sections named (filter, expiry, clients, instructions, growth) and writes no results files; BENCH_VERBOSE=1 prints every
 //! client-side run.
 
 mod chart;
@@ -15,6 +15,7 @@ mod expiry;
 mod filter;
 mod fsync;
 mod growth;
+mod instructions;
 mod machine;
 mod pgbench;
 mod redis;
@@ -48,6 +49,8 @@ pub struct Scale {
     pub duplicate_ids: i64,
     /// Inbox sizes the growth scenario measures at.
     pub growth_steps: Vec<i64>,
+    /// Calls per callgrind run (the runs do this many, then twice as many).
+    pub callgrind_calls: i64,
 }
 
 /// What a row's A / B should be (or, for `Zero`, what A should be).
@@ -165,6 +168,7 @@ fn main() {
             clients_batches: vec![1],
             duplicate_ids: 20_000,
             growth_steps: vec![100_000, 1_000_000],
+            callgrind_calls: 200,
         }
     } else {
         Scale {
@@ -184,6 +188,7 @@ fn main() {
             clients_batches: vec![1, 2],
             duplicate_ids: 100_000,
             growth_steps: vec![100_000, 1_000_000, 3_000_000, 10_000_000],
+            callgrind_calls: 1000,
         }
     };
     // BENCH_ONLY=clients,growth runs only those sections (and writes no results files).
@@ -221,6 +226,7 @@ fn main() {
     section("filter", &mut |c| filter::scenarios(c, &scale));
     section("expiry", &mut |c| expiry::scenarios(c, &scale));
     section("clients", &mut |c| clients::scenarios(c, &pgbench, cluster.socket_dir(), &scale));
+    section("instructions", &mut |_| instructions::scenarios(&scale));
     section("growth", &mut |c| {
         let (rows, points) = growth::scenarios(c, &pgbench, &scale);
         curve = points;

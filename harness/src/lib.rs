@@ -122,14 +122,23 @@ impl Cluster {
     /// sockets, logs and scripts into its working directory, which must belong to that user.
     pub fn run(&self, program: &str, args: &[&str]) -> Output {
         let program = self.bindir.join(program);
+        self.as_owner(&program)
+            .args(args)
+            .output()
+            .unwrap_or_else(|e| panic!("run {}: {e}", program.display()))
+    }
+
+    /// A command running `program` (any path, e.g. valgrind) as the server's owner, in the cluster's directory.
+    pub fn as_owner(&self, program: &Path) -> Command {
         let mut cmd = if is_root() {
             let mut c = Command::new("runuser");
-            c.args(["-u", "postgres", "--"]).arg(&program);
+            c.args(["-u", "postgres", "--"]).arg(program);
             c
         } else {
-            Command::new(&program)
+            Command::new(program)
         };
-        cmd.args(args).current_dir(&self.dir).output().unwrap_or_else(|e| panic!("run {}: {e}", program.display()))
+        cmd.current_dir(&self.dir);
+        cmd
     }
 
     /// A hot standby of this cluster, streaming from it (pg_basebackup -R).
