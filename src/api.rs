@@ -4,85 +4,14 @@
 //! access to its table.
 
 use crate::errors::raise;
-use crate::filter::{self, Trusted};
-use crate::shmem::Counter;
-use crate::inbox::{self, Access, Inbox};
-use crate::{claim, guc, input, purge};
+use crate::inbox::{self, Access};
+use crate::{claim, input, purge};
 use pgrx::prelude::*;
-use std::cell::Cell;
 use rustc_hash::FxHashSet as HashSet;
-
-thread_local! {
-    static TOLD_DEGRADED: Cell<bool> = const { Cell::new(false) };
-}
-
-/// The filter that may answer for `inbox`, if any. When the installation is why there is none (no preloading, or no
-/// worker for this database), says so once per session: everything stays correct, but the user should know.
-fn trusted_filter(inbox: &Inbox) -> Option<Trusted> {
-    if !TOLD_DEGRADED.with(|told| told.replace(true)) {
-        if let Some((message, hint)) = degraded() {
-            pgrx::pg_sys::panic::ErrorReport::new(PgSqlErrorCode::ERRCODE_SUCCESSFUL_COMPLETION, message, "pg_dedup")
-                .set_hint(hint)
-                .report(PgLogLevel::NOTICE);
-        }
-    }
-    Trusted::for_inbox(inbox.ns)
-}
-
-/// What this installation leaves out for the current database, and how to get it.
-fn degraded() -> Option<(String, String)> {
-    if !filter::is_preloaded() {
-        return Some((
-            "dedup: the shared Bloom filter is off because pg_dedup is not in shared_preload_libraries; every call \
-             uses the inbox index (correct, a little slower), and no background worker purges expired marks"
-                .into(),
-            "Add pg_dedup to shared_preload_libraries and restart the server to enable them.".into(),
-        ));
-    }
-    let database = unsafe { std::ffi::CStr::from_ptr(pgrx::pg_sys::get_database_name(pgrx::pg_sys::MyDatabaseId)) }
-        .to_string_lossy()
-        .into_owned();
-    let mut listed = guc::worker_databases();
-    if listed.contains(&database) {
-        return None;
-    }
-    let setting = listed.join(", ");
-    listed.push(database.clone());
-    Some((
-        format!(
-            "dedup: no pg_dedup worker looks after database \"{database}\" (dedup.database = '{setting}'): expired \
-             marks are never purged (only dedup.purge() removes them) and the shared Bloom filter is never loaded"
-        ),
-        format!(
-            "Add it and reload: ALTER SYSTEM SET dedup.database = '{}'; SELECT pg_reload_conf();",
-            listed.join(", ")
-        ),
-    ))
-}
-
-/// The ids the filter cannot rule out ("maybe"), or None when there is no filter to ask.
-fn suspects<'a>(inbox: &Inbox, ids: &'a [String]) -> Option<HashSet<&'a str>> {
-    let filter = trusted_filter(inbox)?;
-    let maybe = filter.maybe(ids);
-    let suspects: HashSet<&str> = ids.iter().zip(maybe).filter(|(_, m)| *m).map(|(id, _)| id.as_str()).collect();
-    inbox.count(Counter::Lookups, ids.len() as u64);
-    inbox.count(Counter::CertainlyNew, (ids.len() - suspects.len()) as u64);
-    Some(suspects)
-}
-
-/// Claims `ids` and keeps the inbox's counters.
-fn claim_and_count(inbox: &Inbox, ids: &[String], ttl: Option<Interval>) -> HashSet<String> {
-    let suspects = suspects(inbox, ids);
-    let out = claim::claim(inbox, ids, suspects.as_ref(), window_end(inbox, ttl));
-    inbox.count(Counter::Marks, out.fresh.len() as u64);
-    inbox.count(Counter::Duplicates, (ids.len() - out.fresh.len()) as u64);
-    inbox.count(Counter::Renewals, out.renewals);
-    inbox.count(Counter::FalsePositives, out.false_positives);
-    out.fresh
-}
 
 /// Writes need a read-write transaction on a primary; say so plainly instead of Postgres' generic error.
 fn require_writable(function: &str) {
+    // SAFETY: reads backend-local state; no preconditions.
     let (standby, read_only) = unsafe { (pg_sys::RecoveryInProgress(), pg_sys::XactReadOnly) };
     if standby {
         raise(
@@ -100,11 +29,6 @@ fn require_writable(function: &str) {
     }
 }
 
-/// When a mark made now expires: `ttl` (already validated) or the inbox's default (validated when created).
-fn window_end(inbox: &Inbox, ttl: Option<Interval>) -> TimestampWithTimeZone {
-    claim::expiry(claim::statement_now(), ttl.unwrap_or(inbox.default_ttl))
-}
-
 /// Records `id` in `inbox` for `ttl` (NULL: the inbox's default) inside the current transaction. True the first
 /// time within the window, false for a duplicate. Waits for a concurrent transaction marking the same id.
 #[pg_extern(volatile, parallel_unsafe)]
@@ -117,7 +41,7 @@ fn mark(
     let id = input::id(id);
     let ttl = ttl.map(input::ttl);
     let inbox = inbox::open(input::inbox_name(inbox), Access::Mark);
-    !claim_and_count(&inbox, &[id.to_owned()], ttl).is_empty()
+    !claim::mark(&inbox, &[id.to_owned()], ttl).is_empty()
 }
 
 /// Marks every id in `ids`; returns the ids that were new, each once, in order of first occurrence (a repeat
@@ -132,7 +56,7 @@ fn mark_many(
     let ids = input::ids(ids);
     let ttl = ttl.map(input::ttl);
     let inbox = inbox::open(input::inbox_name(inbox), Access::Mark);
-    let fresh = if ids.is_empty() { HashSet::default() } else { claim_and_count(&inbox, &ids, ttl) };
+    let fresh = if ids.is_empty() { HashSet::default() } else { claim::mark(&inbox, &ids, ttl) };
     let mut reported = HashSet::default();
     let new_in_order: Vec<String> =
         ids.iter().filter(|id| fresh.contains(*id) && reported.insert(id.as_str())).cloned().collect();
@@ -144,17 +68,7 @@ fn mark_many(
 fn seen(id: Option<&str>, inbox: default!(Option<&str>, "'default'")) -> bool {
     let id = input::id(id);
     let inbox = inbox::open(input::inbox_name(inbox), Access::Read);
-    let Some(filter) = trusted_filter(&inbox) else { return claim::seen(&inbox, id) };
-    inbox.count(Counter::Lookups, 1);
-    if !filter.may_contain(id) {
-        inbox.count(Counter::CertainlyNew, 1);
-        return false;
-    }
-    let seen = claim::seen(&inbox, id);
-    if !seen {
-        inbox.count(Counter::FalsePositives, 1);
-    }
-    seen
+    claim::seen(&inbox, id)
 }
 
 /// Deletes the mark for `id` (operator replay: the next delivery is processed again). True if a live mark was

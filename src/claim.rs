@@ -16,42 +16,104 @@
 //! Ids are processed in sorted order, so two `mark_many()` calls with overlapping ids lock rows in the same order
 //! and cannot deadlock each other.
 
-use crate::direct_insert;
+use crate::clock::{expiry, statement_now};
 use crate::errors::raise;
+use crate::filter::{self, Trusted};
 use crate::inbox::{Inbox, Stmt};
+use crate::shmem::Counter;
+use crate::{direct_insert, guc};
 use pgrx::prelude::*;
 use rustc_hash::FxHashSet as HashSet;
+use std::cell::Cell;
 
 /// Rounds of insert/probe/renew before giving up. Each extra round needs a concurrent purge or forget of the very
 /// same id between two statements, so more than a couple of rounds means something is badly wrong.
 const MAX_ROUNDS: usize = 16;
 
-/// The instant a call measures expiry against: the start of the current statement, so every id in one call (and
-/// the renewal check against the stored expiry) uses the same clock reading.
-pub fn statement_now() -> TimestampWithTimeZone {
-    let now = unsafe { pg_sys::GetCurrentStatementStartTimestamp() };
-    TimestampWithTimeZone::try_from(now).expect("the statement start time is a valid timestamp")
+thread_local! {
+    static TOLD_DEGRADED: Cell<bool> = const { Cell::new(false) };
 }
 
-/// `now + ttl` with Postgres' own calendar arithmetic (months and days follow the session time zone).
-pub fn expiry(now: TimestampWithTimeZone, ttl: Interval) -> TimestampWithTimeZone {
-    unsafe {
-        pgrx::direct_function_call::<TimestampWithTimeZone>(
-            pg_sys::timestamptz_pl_interval,
-            &[now.into_datum(), ttl.into_datum()],
-        )
+/// The filter that may answer for `inbox`, if any. When the installation is why there is none (no preloading, or no
+/// worker for this database), says so once per session: everything stays correct, but the user should know.
+fn trusted_filter(inbox: &Inbox) -> Option<Trusted> {
+    if !TOLD_DEGRADED.with(|told| told.replace(true)) {
+        if let Some((message, hint)) = degraded() {
+            pgrx::pg_sys::panic::ErrorReport::new(PgSqlErrorCode::ERRCODE_SUCCESSFUL_COMPLETION, message, "pg_dedup")
+                .set_hint(hint)
+                .report(PgLogLevel::NOTICE);
+        }
     }
-    .expect("timestamptz + interval is never NULL")
+    Trusted::for_inbox(inbox.ns)
+}
+
+/// What this installation leaves out for the current database, and how to get it.
+fn degraded() -> Option<(String, String)> {
+    if !filter::is_preloaded() {
+        return Some((
+            "dedup: the shared Bloom filter is off because pg_dedup is not in shared_preload_libraries; every call \
+             uses the inbox index (correct, a little slower), and no background worker purges expired marks"
+                .into(),
+            "Add pg_dedup to shared_preload_libraries and restart the server to enable them.".into(),
+        ));
+    }
+    // SAFETY: MyDatabaseId is set once the backend is connected, which it is when a function runs.
+    let database = unsafe { std::ffi::CStr::from_ptr(pg_sys::get_database_name(pg_sys::MyDatabaseId)) }
+        .to_string_lossy()
+        .into_owned();
+    let mut listed = guc::worker_databases();
+    if listed.contains(&database) {
+        return None;
+    }
+    let setting = listed.join(", ");
+    listed.push(database.clone());
+    Some((
+        format!(
+            "dedup: no pg_dedup worker looks after database \"{database}\" (dedup.database = '{setting}'): expired \
+             marks are never purged (only dedup.purge() removes them) and the shared Bloom filter is never loaded"
+        ),
+        format!(
+            "Add it and reload: ALTER SYSTEM SET dedup.database = '{}'; SELECT pg_reload_conf();",
+            listed.join(", ")
+        ),
+    ))
+}
+
+/// The ids the filter cannot rule out ("maybe"), or None when there is no filter to ask.
+fn suspects<'a>(inbox: &Inbox, ids: &'a [String]) -> Option<HashSet<&'a str>> {
+    let filter = trusted_filter(inbox)?;
+    let maybe = filter.maybe(ids);
+    let suspects: HashSet<&str> = ids.iter().zip(maybe).filter(|(_, m)| *m).map(|(id, _)| id.as_str()).collect();
+    inbox.count(Counter::Lookups, ids.len() as u64);
+    inbox.count(Counter::CertainlyNew, (ids.len() - suspects.len()) as u64);
+    Some(suspects)
+}
+
+/// When a mark made now expires: `ttl` (already validated) or the inbox's default (validated when created).
+fn window_end(inbox: &Inbox, ttl: Option<Interval>) -> TimestampWithTimeZone {
+    expiry(statement_now(), ttl.unwrap_or(inbox.default_ttl))
+}
+
+/// Marks `ids` in `inbox` for `ttl` (None: the inbox's default), asking the filter first, and keeps the inbox's
+/// counters. Returns the ids that were new.
+pub fn mark(inbox: &Inbox, ids: &[String], ttl: Option<Interval>) -> HashSet<String> {
+    let suspects = suspects(inbox, ids);
+    let out = claim(inbox, ids, suspects.as_ref(), window_end(inbox, ttl));
+    inbox.count(Counter::Marks, out.fresh.len() as u64);
+    inbox.count(Counter::Duplicates, (ids.len() - out.fresh.len()) as u64);
+    inbox.count(Counter::Renewals, out.renewals);
+    inbox.count(Counter::FalsePositives, out.false_positives);
+    out.fresh
 }
 
 /// What a claim found.
 #[derive(Default)]
-pub struct Outcome {
+struct Outcome {
     /// Ids that were new: inserted, or renewed after expiring.
-    pub fresh: HashSet<String>,
-    pub renewals: u64,
+    fresh: HashSet<String>,
+    renewals: u64,
     /// Ids the filter could not rule out that turned out to be new (it said "maybe", the index said no).
-    pub false_positives: u64,
+    false_positives: u64,
 }
 
 /// Claims `ids` for the window ending at `expires_at`. `suspects` is what the filter said: None when no filter
@@ -59,7 +121,7 @@ pub struct Outcome {
 /// duplicate costs one index lookup. When a filter answered, what is left is most likely all new and goes straight
 /// into heap and indexes; whatever that cannot settle takes the ordinary rounds, whose conflict check is the
 /// truth either way.
-pub fn claim(
+fn claim(
     inbox: &Inbox,
     ids: &[String],
     suspects: Option<&HashSet<&str>>,
@@ -166,8 +228,23 @@ fn returned_ids(inbox: &Inbox, stmt: Stmt, args: &[pgrx::datum::DatumWithOid<'_>
     })
 }
 
-/// Is there a live mark for `id` visible to this transaction?
+/// Is there a live mark for `id` visible to this transaction? The filter answers "certainly not" when it can.
 pub fn seen(inbox: &Inbox, id: &str) -> bool {
+    let Some(filter) = trusted_filter(inbox) else { return live_row(inbox, id) };
+    inbox.count(Counter::Lookups, 1);
+    if !filter.may_contain(id) {
+        inbox.count(Counter::CertainlyNew, 1);
+        return false;
+    }
+    let seen = live_row(inbox, id);
+    if !seen {
+        inbox.count(Counter::FalsePositives, 1);
+    }
+    seen
+}
+
+/// Does the index hold a live mark for `id`, visible to this transaction?
+fn live_row(inbox: &Inbox, id: &str) -> bool {
     Spi::connect(|client| !inbox.run(client, Stmt::Seen, &[id.into(), statement_now().into()]).is_empty())
 }
 

@@ -20,9 +20,8 @@
 //! the row itself (another trigger, a rule, row security, a CHECK constraint, columns an owner added after
 //! `NOT OF`) are always left to the executor.
 
-use crate::filter;
 use crate::inbox::Inbox;
-use crate::subxact;
+use crate::{filter, ports, xact};
 use pgrx::prelude::*;
 
 /// Batches of this many ids or more try the multi-insert: its subtransaction costs a second transaction id,
@@ -33,15 +32,19 @@ const MIN_IDS: usize = 8;
 /// Inserts what it can of `ids` (sorted, distinct) with `expires_at` and returns the ids it inserted. Nothing was
 /// written for the others: the table needs the executor, or the id had a row after all.
 pub fn insert(inbox: &Inbox, ids: &[String], expires_at: TimestampWithTimeZone) -> Vec<String> {
+    // SAFETY: the inbox was opened (and locked) by this transaction; the relation is closed below.
     let rel = unsafe { pg_sys::table_open(inbox.relid, pg_sys::RowExclusiveLock as pg_sys::LOCKMODE) };
     let expires_at = expires_at.into_datum().expect("a timestamp is a datum");
+    // SAFETY: `rel` is open, with RowExclusiveLock, for the rest of this function.
     let inserted = if !unsafe { only_the_row_matters(rel) } {
         Vec::new()
-    } else if ids.len() >= MIN_IDS && subxact::has_room() && insert_all(rel, inbox.ns, ids, expires_at) {
+    } else if ids.len() >= MIN_IDS && xact::has_room() && insert_all(rel, inbox.ns, ids, expires_at) {
         ids.to_vec()
     } else {
+        // SAFETY: as above, and the table qualified.
         unsafe { insert_each(rel, inbox.ns, ids, expires_at) }
     };
+    // SAFETY: closes what was opened above, keeping the lock until the transaction ends.
     unsafe {
         pg_sys::table_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
         if !inserted.is_empty() {
@@ -54,11 +57,15 @@ pub fn insert(inbox: &Inbox, ids: &[String], expires_at: TimestampWithTimeZone) 
 
 /// All of `ids` in one multi-insert, or (when one of them has a row) none.
 fn insert_all(rel: pg_sys::Relation, ns: u64, ids: &[String], expires_at: pg_sys::Datum) -> bool {
-    subxact::undo_on(PgSqlErrorCode::ERRCODE_UNIQUE_VIOLATION, || unsafe { write_rows(rel, ns, ids, expires_at) })
+    // SAFETY: `rel` is the open, qualifying inbox table of `insert`.
+    xact::undo_on(PgSqlErrorCode::ERRCODE_UNIQUE_VIOLATION, || unsafe { write_rows(rel, ns, ids, expires_at) })
         .is_some()
 }
 
 /// Each of `ids` on its own, by speculative insertion; returns those that went in.
+///
+/// # Safety
+/// `rel` must be an inbox table opened with RowExclusiveLock that `only_the_row_matters`.
 unsafe fn insert_each(rel: pg_sys::Relation, ns: u64, ids: &[String], expires_at: pg_sys::Datum) -> Vec<String> {
     with_indexes(rel, |estate, result_rel| {
         let slot = row_slots(rel, 1)[0];
@@ -71,6 +78,9 @@ unsafe fn insert_each(rel: pg_sys::Relation, ns: u64, ids: &[String], expires_at
 /// What `INSERT ... ON CONFLICT DO NOTHING` does for a row once its pre-check found nothing (ExecInsert in
 /// nodeModifyTable.c): the row goes in under a speculative token, so a concurrent inserter of the same id waits
 /// only for our decision; if the unique index reports a conflict the row is killed rather than confirmed.
+///
+/// # Safety
+/// As for `insert_each`; `estate` and `result_rel` come from `with_indexes` on `rel`, `slot` from `row_slots`.
 unsafe fn insert_one(
     rel: pg_sys::Relation,
     ns: u64,
@@ -86,7 +96,7 @@ unsafe fn insert_one(
     let token = pg_sys::SpeculativeInsertionLockAcquire(xid);
     pg_sys::table_tuple_insert_speculative(rel, slot, pg_sys::GetCurrentCommandId(true), 0, std::ptr::null_mut(), token);
     let mut conflict = false;
-    insert_index_entries(result_rel, slot, estate, Some(&mut conflict));
+    ports::ExecInsertIndexTuples(result_rel, slot, estate, Some(&mut conflict));
     pg_sys::table_tuple_complete_speculative(rel, slot, token, !conflict);
     pg_sys::SpeculativeInsertionLockRelease(xid);
     !conflict
@@ -95,6 +105,9 @@ unsafe fn insert_one(
 /// Does writing a row need nothing but the two values and their index entries? The table must still be the
 /// inbox row type exactly (its owner could have made it `NOT OF` and added columns with defaults), and the only
 /// trigger allowed is our own filter trigger, whose work is done here instead.
+///
+/// # Safety
+/// `rel` must be an open relation.
 unsafe fn only_the_row_matters(rel: pg_sys::Relation) -> bool {
     let form = &*(*rel).rd_rel;
     let desc = pgrx::PgTupleDesc::from_pg_unchecked((*rel).rd_att);
@@ -119,6 +132,9 @@ unsafe fn only_the_row_matters(rel: pg_sys::Relation) -> bool {
 }
 
 /// Is this the `dedup_filter` trigger as created by `create_inbox()`: our function, firing always?
+///
+/// # Safety
+/// `t` must be a trigger of an open relation's trigger descriptor.
 unsafe fn is_filter_trigger(t: &pg_sys::Trigger) -> bool {
     let function = pg_sys::get_func_name(t.tgfoid);
     !function.is_null()
@@ -129,6 +145,9 @@ unsafe fn is_filter_trigger(t: &pg_sys::Trigger) -> bool {
 
 /// The filter bits, then one multi-insert into the heap, then each row's index entries (raising unique_violation
 /// for an id that exists).
+///
+/// # Safety
+/// As for `insert_each`.
 unsafe fn write_rows(rel: pg_sys::Relation, ns: u64, ids: &[String], expires_at: pg_sys::Datum) {
     // What the filter trigger does for the executor: the bits, before any row exists.
     filter::add(ns, ids);
@@ -141,7 +160,7 @@ unsafe fn write_rows(rel: pg_sys::Relation, ns: u64, ids: &[String], expires_at:
         let cid = pg_sys::GetCurrentCommandId(true);
         multi_insert(rel, slots.as_ptr() as *mut _, slots.len() as i32, cid, 0, std::ptr::null_mut());
         for &slot in &slots {
-            insert_index_entries(result_rel, slot, estate, None);
+            ports::ExecInsertIndexTuples(result_rel, slot, estate, None);
             pg_sys::ExecDropSingleTupleTableSlot(slot);
         }
     })
@@ -149,6 +168,9 @@ unsafe fn write_rows(rel: pg_sys::Relation, ns: u64, ids: &[String], expires_at:
 
 /// Runs `body` with the table's indexes open for insertion, in an executor state of our own (there is no query)
 /// whose memory holds everything `body` allocates and goes when it is done.
+///
+/// # Safety
+/// `rel` must be open with a lock that allows inserting; the pointers `body` gets live only while it runs.
 unsafe fn with_indexes<R>(
     rel: pg_sys::Relation,
     body: impl FnOnce(*mut pg_sys::EState, *mut pg_sys::ResultRelInfo) -> R,
@@ -160,10 +182,6 @@ unsafe fn with_indexes<R>(
     // Range-table index 0: there is no query, hence no range table.
     pg_sys::InitResultRelInfo(result_rel, rel, 0, std::ptr::null_mut(), 0);
     pg_sys::ExecOpenIndices(result_rel, false);
-    #[cfg(feature = "pg13")]
-    {
-        (*estate).es_result_relation_info = result_rel;
-    }
     let result = body(estate, result_rel);
     pg_sys::ExecCloseIndices(result_rel);
     pg_sys::MemoryContextSwitchTo(caller);
@@ -173,12 +191,18 @@ unsafe fn with_indexes<R>(
 
 /// `n` empty slots for inbox rows. They share a private copy of the row type: the relation's own is
 /// reference-counted, and a thousand slots pinning it through the resource owner cost more than the inserts.
+///
+/// # Safety
+/// `rel` must be open; the slots live in the current memory context and must be dropped before it goes.
 unsafe fn row_slots(rel: pg_sys::Relation, n: usize) -> Vec<*mut pg_sys::TupleTableSlot> {
     let desc = pg_sys::CreateTupleDescCopy((*rel).rd_att);
     (0..n).map(|_| pg_sys::MakeSingleTupleTableSlot(desc, pg_sys::table_slot_callbacks(rel))).collect()
 }
 
 /// Makes `slot` hold the row (`id`, `expires_at`).
+///
+/// # Safety
+/// `slot` must be a slot of the inbox row type (from `row_slots`).
 unsafe fn store_row(slot: *mut pg_sys::TupleTableSlot, id: &str, expires_at: pg_sys::Datum) {
     pg_sys::ExecClearTuple(slot);
     let text = pg_sys::cstring_to_text_with_len(id.as_ptr() as *const std::ffi::c_char, id.len() as i32);
@@ -187,28 +211,4 @@ unsafe fn store_row(slot: *mut pg_sys::TupleTableSlot, id: &str, expires_at: pg_
     *(*slot).tts_isnull.add(0) = false;
     *(*slot).tts_isnull.add(1) = false;
     pg_sys::ExecStoreVirtualTuple(slot);
-}
-
-/// Index entries for one stored row. Without `conflict` a duplicate key raises unique_violation (after waiting for
-/// an in-progress inserter); with it, a possible duplicate in the unique index sets `*conflict` instead, without
-/// waiting (a speculative insertion). No index here is deferrable: a deferrable constraint would have brought its
-/// own trigger, and the table would not qualify.
-unsafe fn insert_index_entries(
-    result_rel: *mut pg_sys::ResultRelInfo,
-    slot: *mut pg_sys::TupleTableSlot,
-    estate: *mut pg_sys::EState,
-    conflict: Option<&mut bool>,
-) {
-    let no_dup_err = conflict.is_some();
-    let conflict = conflict.map_or(std::ptr::null_mut(), |c| c as *mut bool);
-    // All unique indexes are arbiters (NIL), as for ON CONFLICT without a conflict target.
-    let arbiters = std::ptr::null_mut();
-    #[cfg(feature = "pg13")]
-    let _ = result_rel;
-    #[cfg(feature = "pg13")]
-    pg_sys::ExecInsertIndexTuples(slot, estate, no_dup_err, conflict, arbiters);
-    #[cfg(any(feature = "pg14", feature = "pg15"))]
-    pg_sys::ExecInsertIndexTuples(result_rel, slot, estate, false, no_dup_err, conflict, arbiters);
-    #[cfg(any(feature = "pg16", feature = "pg17", feature = "pg18"))]
-    pg_sys::ExecInsertIndexTuples(result_rel, slot, estate, false, no_dup_err, conflict, arbiters, false);
 }

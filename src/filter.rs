@@ -20,9 +20,10 @@
 //!   the rotation did not load (other databases) fall back to the index until loaded.
 
 use crate::guc;
-use crate::shmem::{namespace, region, Header, COUNTERS};
+use crate::shmem::{namespace, region, Header};
 use pg_dedup_bloom::Filter;
 use pgrx::prelude::*;
+use std::cell::Cell;
 use std::sync::atomic::Ordering;
 
 fn generation(h: &'static Header, gen: usize) -> Filter<'static> {
@@ -139,18 +140,21 @@ pub fn try_begin_rebuild() -> Option<RebuildGuard> {
 /// A process that dies without unwinding (FATAL, e.g. pg_terminate_backend during a rebuild) must not keep the
 /// rebuild right forever.
 fn release_at_exit_once() {
-    static mut REGISTERED: bool = false;
-    unsafe {
-        if !REGISTERED {
-            REGISTERED = true;
-            pg_sys::before_shmem_exit(Some(release_rebuild_right), pg_sys::Datum::from(0));
-        }
+    thread_local! {
+        static REGISTERED: Cell<bool> = const { Cell::new(false) };
+    }
+    if !REGISTERED.replace(true) {
+        // SAFETY: registers a guarded callback once per process.
+        unsafe { pg_sys::before_shmem_exit(Some(release_rebuild_right), pg_sys::Datum::from(0)) };
     }
 }
 
+/// # Safety
+/// Called by Postgres only, at process exit.
 #[pg_guard]
 unsafe extern "C-unwind" fn release_rebuild_right(_code: i32, _arg: pg_sys::Datum) {
     if let Some(h) = region() {
+        // SAFETY: reads a process global.
         let me = unsafe { pg_sys::MyProcPid } as u32;
         let _ = h.rebuilder.compare_exchange(me, 0, Ordering::AcqRel, Ordering::Acquire);
     }
@@ -265,17 +269,6 @@ pub fn summary() -> Summary {
         estimated_fpr: Some(fpr),
         rebuilds: h.rebuilds.load(Ordering::Relaxed) as i64,
     }
-}
-
-/// Counters of one inbox, its purge backlog (-1: unknown) and whether the filter answers for it; None without
-/// shared memory.
-pub fn inbox_figures(ns: u64) -> Option<([i64; COUNTERS], i64, bool)> {
-    let h = region()?;
-    let (counters, backlog) = h
-        .entry(ns, false)
-        .map(|e| (e.counters.each_ref().map(|c| c.load(Ordering::Relaxed) as i64), e.backlog.load(Ordering::Relaxed)))
-        .unwrap_or(([0; COUNTERS], -1));
-    Some((counters, backlog, Trusted::for_inbox(ns).is_some()))
 }
 
 /// Row trigger on every inbox table (BEFORE INSERT OR UPDATE, ENABLE ALWAYS): puts `NEW.id` into the filter before

@@ -6,15 +6,23 @@
 //! its own, so undoing a failed attempt is rolling back that transaction; `dedup.purge()` runs batches in the
 //! caller's transaction and wraps each attempt in a subtransaction instead (while the backend has room for one).
 
-use crate::claim::statement_now;
-use crate::inbox::{Inbox, Stmt};
-use crate::shmem::Counter;
-use crate::subxact;
+use crate::clock::statement_now;
+use crate::errors::server_log;
+use crate::inbox::{self, Access, Inbox, Stmt};
+use crate::shmem::{Counter, WorkerSlot};
+use crate::xact::{self, in_transaction, try_transaction};
+use crate::guc;
+use pgrx::bgworkers::BackgroundWorker;
 use pgrx::prelude::*;
 use std::ffi::{CStr, CString};
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
 
 /// Rows per batch for `dedup.purge()` (the worker uses `dedup.purge_batch_size`).
 pub const BATCH_SIZE: i64 = 10_000;
+
+/// Backlog counts stop here: past it, "a lot" is all an operator needs to know.
+const BACKLOG_COUNT_CAP: i64 = 1_000_000;
 
 /// How long the lock-free attempt may wait for a held row before the batch switches to skipping held rows.
 const HELD_ROW_PATIENCE: &CStr = c"1ms";
@@ -50,11 +58,11 @@ pub fn purge_batch(inbox: &Inbox, now: TimestampWithTimeZone, limit: i64, held: 
 /// subtransaction would otherwise stay in it, and past 64 the cache overflows.
 fn purge_batch_in_place(inbox: &Inbox, now: TimestampWithTimeZone, limit: i64) -> i64 {
     let quick = || {
-        subxact::undo_on(PgSqlErrorCode::ERRCODE_LOCK_NOT_AVAILABLE, || {
+        xact::undo_on(PgSqlErrorCode::ERRCODE_LOCK_NOT_AVAILABLE, || {
             purge_batch(inbox, now, limit, HeldRows::WaitBriefly)
         })
     };
-    subxact::has_room().then(quick).flatten().unwrap_or_else(|| purge_batch(inbox, now, limit, HeldRows::Skip))
+    xact::has_room().then(quick).flatten().unwrap_or_else(|| purge_batch(inbox, now, limit, HeldRows::Skip))
 }
 
 /// Sets lock_timeout (undone with the (sub)transaction if it fails); returns the previous value. A C call, not a
@@ -88,4 +96,75 @@ pub fn purge_inbox(inbox: &Inbox, limit: Option<i64>) -> i64 {
             return deleted;
         }
     }
+}
+
+/// One purge cycle of the background worker over every inbox of this database, each batch in a transaction of its
+/// own, run with the table owner's rights. It stops between two batches when `keep_going` says so.
+pub fn purge_cycle(slot: &WorkerSlot, keep_going: impl Fn() -> bool) {
+    let started = Instant::now();
+    slot.last_cycle_start.store(unsafe { pg_sys::GetCurrentTimestamp() }, Ordering::Relaxed);
+    let names = in_transaction("listing inboxes", inbox::all_names).unwrap_or_default();
+    let cap = match guc::PURGE_MAX_ROWS_PER_CYCLE.get() {
+        0 => i64::MAX,
+        n => n as i64,
+    };
+    let mut total = 0i64;
+    for name in &names {
+        let mut capped = false;
+        loop {
+            if !keep_going() {
+                return;
+            }
+            let limit = (guc::PURGE_BATCH_SIZE.get() as i64).min(cap - total);
+            if limit <= 0 {
+                capped = true;
+                break;
+            }
+            let batch = |held| {
+                move || {
+                    let inbox = inbox::open(name, Access::Delete);
+                    inbox::as_owner(inbox.relid, || purge_batch(&inbox, statement_now(), limit, held))
+                }
+            };
+            // The quick attempt; if it met a row another transaction holds, it was rolled back: skip held rows.
+            let deleted = match try_transaction(batch(HeldRows::WaitBriefly)) {
+                Ok(deleted) => Some(deleted),
+                Err((PgSqlErrorCode::ERRCODE_LOCK_NOT_AVAILABLE, _)) => in_transaction("purging a batch", batch(HeldRows::Skip)),
+                Err((_, message)) => {
+                    server_log!("pg_dedup worker: purging a batch failed: {message}");
+                    None
+                }
+            };
+            let Some(deleted) = deleted else { break };
+            total += deleted;
+            if deleted < limit {
+                break;
+            }
+            let delay = guc::PURGE_BATCH_DELAY.get();
+            if delay > 0 && !BackgroundWorker::wait_latch(Some(Duration::from_millis(delay as u64))) {
+                return; // terminated, or the postmaster died
+            }
+        }
+        record_backlog(name, capped);
+    }
+    slot.cycles.fetch_add(1, Ordering::Relaxed);
+    slot.last_cycle_micros.store(started.elapsed().as_micros() as i64, Ordering::Relaxed);
+    slot.last_cycle_rows.store(total, Ordering::Relaxed);
+}
+
+/// After a cycle: nothing left behind, unless the cycle stopped at its cap; then count what waits (bounded).
+fn record_backlog(name: &str, capped: bool) {
+    in_transaction("estimating the backlog", || {
+        let inbox = inbox::open(name, Access::Read);
+        let backlog = if capped {
+            Spi::connect(|client| {
+                let rows = inbox.run(client, Stmt::Backlog, &[statement_now().into(), BACKLOG_COUNT_CAP.into()]);
+                rows.first().get_one::<i64>().ok().flatten()
+            })
+            .unwrap_or(-1)
+        } else {
+            0
+        };
+        inbox.set_backlog(backlog);
+    });
 }

@@ -1,13 +1,20 @@
 //! Loading inbox tables into the shared filter: after a restart (nothing is trusted until loaded), for inboxes
 //! created by a restore, and when a rotation makes a fresh generation to shed expired marks.
 
-use crate::errors::{internal, raise};
+use crate::errors::{internal, raise, server_log};
 use crate::filter::{self, RebuildGuard};
-use crate::inbox::{self, Access};
+use crate::inbox::{self, Access, Stmt};
+use crate::{guc, shmem};
 use pgrx::prelude::*;
+use std::sync::atomic::Ordering;
 
 /// Rows fetched per round trip of the scan cursor: bounded memory whatever the inbox size.
 const FETCH: i64 = 10_000;
+/// Rotate the filter when its measured rate exceeds the target by this factor.
+const ROTATE_AT: f64 = 1.1;
+/// Seconds between rotations that end above target, doubling from the first to the second.
+const MIN_BACKOFF: u64 = 1;
+const MAX_BACKOFF: u64 = 600;
 
 /// What a rebuild did.
 pub struct Rebuilt {
@@ -53,9 +60,9 @@ fn load_inbox(guard: &RebuildGuard, target: usize, name: &str, relid: pg_sys::Oi
     .ok()
     .flatten()
     .unwrap_or(false);
-    let query = format!("SELECT id FROM {}", inbox.table);
     let keys = inbox::as_owner(relid, || Spi::connect(|client| {
-        let mut cursor = client.try_open_cursor(query.as_str(), &[]).unwrap_or_else(|e| internal("scanning an inbox", e));
+        let plan = inbox.plan(client, Stmt::ScanIds);
+        let mut cursor = client.try_open_cursor(plan, &[]).unwrap_or_else(|e| internal("scanning an inbox", e));
         let mut keys = 0;
         loop {
             let rows = cursor.fetch(FETCH).unwrap_or_else(|e| internal("scanning an inbox", e));
@@ -102,5 +109,49 @@ fn bloom_rebuild() -> i64 {
             "another process is rebuilding the Bloom filter",
             "Wait for it to finish (dedup.stats shows filter_state 'rebuilding'), then retry.",
         ),
+    }
+}
+
+/// Loads inboxes the active filter generation does not cover; rotates when expired marks have pushed the measured
+/// false-positive rate above target.
+pub fn look_after_filter() {
+    // No inbox locks here: a rotation waits for running transactions, and holding a lock a DDL statement waits
+    // for, while that statement blocks a transaction we wait for, would deadlock.
+    let relids: Vec<pg_sys::Oid> = inbox::all_names().iter().filter_map(|name| inbox::relid(name)).collect();
+    if !filter::untrusted(&relids).is_empty() {
+        if let Some(done) = run(false) {
+            server_log!("pg_dedup worker: loaded {} marks of {} inbox(es) into the Bloom filter", done.keys, done.inboxes);
+        }
+        return;
+    }
+    let target = guc::BLOOM_FPR.get();
+    let (Some(region), Some(measured)) = (shmem::region(), filter::active_fpr()) else { return };
+    let now = unsafe { pg_sys::GetCurrentTimestamp() };
+    if measured <= ROTATE_AT * target || now < region.next_rotation_at.load(Ordering::Relaxed) {
+        return;
+    }
+    let Some(done) = run(true) else { return };
+    let after = filter::active_fpr().unwrap_or(0.0);
+    // A rotation that ends above target (marks arriving faster than it reloads, or more live marks than the filter
+    // holds) is not repeated at once: the wait doubles, from MIN_BACKOFF up to MAX_BACKOFF, until one succeeds.
+    let backoff = if after <= target {
+        MIN_BACKOFF
+    } else {
+        (region.rotation_backoff.load(Ordering::Relaxed) * 2).clamp(MIN_BACKOFF, MAX_BACKOFF)
+    };
+    region.rotation_backoff.store(backoff, Ordering::Relaxed);
+    region.next_rotation_at.store(now + backoff as i64 * 1_000_000, Ordering::Relaxed);
+    server_log!(
+        "pg_dedup worker: rotated the Bloom filter ({} live marks reloaded; false-positive rate {measured:.4} -> {after:.4})",
+        done.keys
+    );
+    let capacity = guc::BLOOM_CAPACITY.get() as i64;
+    if done.keys > capacity {
+        warning!(
+            "dedup: the Bloom filter is undersized: {} live marks in this database alone, capacity {capacity}; set \
+             dedup.bloom_capacity to at least {} and restart",
+            done.keys,
+            done.keys * 2
+        );
     }
 }

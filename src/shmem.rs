@@ -4,7 +4,9 @@
 
 use crate::guc;
 use pg_dedup_bloom::WORDS_PER_BLOCK;
+use crate::ports;
 use pgrx::prelude::*;
+use std::cell::Cell;
 use std::sync::atomic::{AtomicI32, AtomicI64, AtomicU32, AtomicU64, Ordering};
 
 /// Inboxes (across all databases) whose state and counters the region can hold.
@@ -13,9 +15,20 @@ const MAX_INBOXES: usize = 4096;
 pub const MAX_DATABASES: usize = 64;
 const MAGIC: u64 = 0x7067_5f64_6564_7570; // "pg_dedup"
 
-/// Per-inbox counters shown in `dedup.stats`.
-#[derive(Clone, Copy)]
-pub enum Counter {
+macro_rules! counters {
+    ($($name:ident,)*) => {
+        /// Per-inbox counters shown in `dedup.stats`.
+        #[derive(Clone, Copy)]
+        pub enum Counter {
+            $($name,)*
+        }
+
+        /// How many counters each inbox has.
+        pub const COUNTERS: usize = [$(Counter::$name),*].len();
+    };
+}
+
+counters! {
     Marks,
     Duplicates,
     Renewals,
@@ -24,7 +37,6 @@ pub enum Counter {
     FalsePositives,
     Purged,
 }
-pub const COUNTERS: usize = 7;
 
 #[repr(C)]
 pub struct Entry {
@@ -32,9 +44,19 @@ pub struct Entry {
     key: AtomicU64,
     /// For each filter generation, the generation epoch in which this inbox's rows were loaded into it.
     pub loaded: [AtomicU64; 2],
-    pub counters: [AtomicU64; COUNTERS],
+    counters: [AtomicU64; COUNTERS],
     /// Expired marks left after the worker's last cycle (it stopped at its per-cycle cap), -1 when unknown.
     pub backlog: AtomicI64,
+}
+
+impl Entry {
+    pub fn add(&self, counter: Counter, n: u64) {
+        self.counters[counter as usize].fetch_add(n, Ordering::Relaxed);
+    }
+
+    pub fn get(&self, counter: Counter) -> u64 {
+        self.counters[counter as usize].load(Ordering::Relaxed)
+    }
 }
 
 /// What the worker of one database is doing.
@@ -71,8 +93,18 @@ pub struct Header {
     workers: [WorkerSlot; MAX_DATABASES],
 }
 
-static mut REGION: *const Header = std::ptr::null();
-static mut SIZE: usize = 0;
+thread_local! {
+    /// The region, once attached (set in the postmaster's startup hook, inherited by every process it forks).
+    static REGION: Cell<*const Header> = const { Cell::new(std::ptr::null()) };
+    /// Its size, computed from the settings while preloading.
+    static SIZE: Cell<usize> = const { Cell::new(0) };
+    /// The hooks that were installed before ours, called first.
+    static PREV_STARTUP: Cell<pg_sys::shmem_startup_hook_type> = const { Cell::new(None) };
+}
+#[cfg(not(any(feature = "pg13", feature = "pg14")))]
+thread_local! {
+    static PREV_REQUEST: Cell<pg_sys::shmem_request_hook_type> = const { Cell::new(None) };
+}
 
 /// Bytes of the region for the configured filter capacity and rate.
 fn region_size() -> usize {
@@ -81,70 +113,79 @@ fn region_size() -> usize {
 }
 
 pub fn size() -> usize {
-    unsafe { SIZE }
+    SIZE.get()
 }
 
 /// Called from `_PG_init` while preloading: asks for the memory and hooks its initialisation.
 pub fn init_preloaded() {
+    SIZE.set(region_size());
+    // SAFETY: the postmaster loads preloaded libraries one at a time, before any hook can run; we chain to the
+    // hooks installed before ours.
     unsafe {
-        SIZE = region_size();
         #[cfg(any(feature = "pg13", feature = "pg14"))]
-        pg_sys::RequestAddinShmemSpace(SIZE);
+        pg_sys::RequestAddinShmemSpace(SIZE.get());
         #[cfg(not(any(feature = "pg13", feature = "pg14")))]
         {
-            PREV_REQUEST = pg_sys::shmem_request_hook;
+            PREV_REQUEST.set(pg_sys::shmem_request_hook);
             pg_sys::shmem_request_hook = Some(request_shmem);
         }
-        PREV_STARTUP = pg_sys::shmem_startup_hook;
+        PREV_STARTUP.set(pg_sys::shmem_startup_hook);
         pg_sys::shmem_startup_hook = Some(startup_shmem);
     }
 }
 
-#[cfg(not(any(feature = "pg13", feature = "pg14")))]
-static mut PREV_REQUEST: pg_sys::shmem_request_hook_type = None;
-static mut PREV_STARTUP: pg_sys::shmem_startup_hook_type = None;
-
+/// The postmaster's `shmem_request_hook` (PostgreSQL 15 on): asks for the region's size.
+///
+/// # Safety
+/// Called by Postgres only, once, while the postmaster sizes shared memory.
 #[cfg(not(any(feature = "pg13", feature = "pg14")))]
 #[pg_guard]
 unsafe extern "C-unwind" fn request_shmem() {
-    unsafe {
-        if let Some(prev) = PREV_REQUEST {
-            prev();
-        }
-        pg_sys::RequestAddinShmemSpace(SIZE);
+    if let Some(prev) = PREV_REQUEST.get() {
+        // SAFETY: the hook that was installed before ours, called as Postgres would have.
+        unsafe { prev() };
     }
+    // SAFETY: called by the postmaster in its shmem_request phase, where requests are allowed.
+    unsafe { pg_sys::RequestAddinShmemSpace(SIZE.get()) };
 }
 
+/// The `shmem_startup_hook`: creates (or, in a process started with EXEC_BACKEND, finds) the region.
+///
+/// # Safety
+/// Called by Postgres only, once shared memory exists.
 #[pg_guard]
 unsafe extern "C-unwind" fn startup_shmem() {
+    if let Some(prev) = PREV_STARTUP.get() {
+        // SAFETY: as in request_shmem.
+        unsafe { prev() };
+    }
+    let size = SIZE.get();
+    // SAFETY: called once shared memory exists; the region is initialised under AddinShmemInitLock, as the
+    // documentation of ShmemInitStruct asks.
     unsafe {
-        if let Some(prev) = PREV_STARTUP {
-            prev();
-        }
-        // AddinShmemInitLock is slot 21 of the main LWLock array (a C macro bindgen cannot see).
-        let init_lock = &raw mut (*pg_sys::MainLWLockArray.add(21)).lock;
+        let init_lock = ports::AddinShmemInitLock();
         pg_sys::LWLockAcquire(init_lock, pg_sys::LWLockMode::LW_EXCLUSIVE);
         let mut found = false;
-        let memory = pg_sys::ShmemInitStruct(c"pg_dedup".as_ptr(), SIZE, &mut found);
+        let memory = pg_sys::ShmemInitStruct(c"pg_dedup".as_ptr(), size, &mut found);
         if !found {
             // New memory (postmaster start, or re-initialisation after a crash): all zero means no filter
             // generation is trusted for any inbox, and no worker is running.
-            std::ptr::write_bytes(memory as *mut u8, 0, SIZE);
+            std::ptr::write_bytes(memory as *mut u8, 0, size);
             let header = memory as *mut Header;
             (*header).magic = MAGIC;
-            (*header).words = ((SIZE - std::mem::size_of::<Header>()) / 8) as u64;
+            (*header).words = ((size - std::mem::size_of::<Header>()) / 8) as u64;
             (*header).next_epoch = AtomicU64::new(3);
             (*header).epoch = [AtomicU64::new(1), AtomicU64::new(2)];
         }
-        REGION = memory as *const Header;
+        REGION.set(memory as *const Header);
         pg_sys::LWLockRelease(init_lock);
     }
 }
 
 /// The region, or None when pg_dedup was not preloaded.
 pub fn region() -> Option<&'static Header> {
-    // SAFETY: set in the postmaster's startup hook before any backend forks; never freed while we run.
-    unsafe { REGION.as_ref() }.filter(|h| h.magic == MAGIC)
+    // SAFETY: set in the postmaster's startup hook before any backend forks, and never freed while we run.
+    unsafe { REGION.get().as_ref() }.filter(|h| h.magic == MAGIC)
 }
 
 impl Header {
@@ -193,6 +234,7 @@ impl Header {
 /// The key namespace of an inbox table of the current database: its database and table, so equal ids in two
 /// inboxes are two keys and a re-created inbox (a new table) starts clean.
 pub fn namespace(relid: pg_sys::Oid) -> u64 {
+    // SAFETY: reads a backend global, set once the backend is connected.
     let db = unsafe { pg_sys::MyDatabaseId };
     (u64::from(db.to_u32()) << 32) | u64::from(relid.to_u32())
 }

@@ -1,9 +1,32 @@
 //! `dedup.stats`: one row per inbox of this database with its counters, plus the filter-wide figures. Counters live
 //! in shared memory and last until the server restarts, like pg_stat_statements (NULL without preloading).
 
-use crate::filter;
+use crate::filter::{self, Trusted};
 use crate::inbox::{self, Access};
+use crate::shmem::{self, Counter};
 use pgrx::prelude::*;
+use std::sync::atomic::Ordering;
+
+/// Counters of one inbox (None without shared memory).
+struct Figures {
+    counters: Option<&'static shmem::Entry>,
+    /// Expired marks left after the worker's last cycle (None: unknown, or none counted yet).
+    backlog: Option<i64>,
+    trusted: bool,
+}
+
+impl Figures {
+    fn of(ns: u64) -> Option<Figures> {
+        let region = shmem::region()?;
+        let counters = region.entry(ns, false);
+        let backlog = counters.map(|e| e.backlog.load(Ordering::Relaxed)).filter(|b| *b >= 0);
+        Some(Figures { counters, backlog, trusted: Trusted::for_inbox(ns).is_some() })
+    }
+
+    fn get(&self, counter: Counter) -> Option<i64> {
+        Some(self.counters.map_or(0, |e| e.get(counter) as i64))
+    }
+}
 
 #[pg_extern(volatile, parallel_safe)]
 fn inbox_stats() -> TableIterator<
@@ -23,14 +46,20 @@ fn inbox_stats() -> TableIterator<
 > {
     let rows: Vec<_> = inbox::all_names()
         .into_iter()
-        .map(|name| {
-            match filter::inbox_figures(inbox::open(&name, Access::Read).ns) {
-                Some((c, backlog, trusted)) => {
-                    let backlog = (backlog >= 0).then_some(backlog);
-                    (name, Some(c[0]), Some(c[1]), Some(c[2]), Some(c[6]), backlog, Some(c[3]), Some(c[4]), Some(c[5]), trusted)
-                }
-                None => (name, None, None, None, None, None, None, None, None, false),
-            }
+        .map(|name| match Figures::of(inbox::open(&name, Access::Read).ns) {
+            Some(f) => (
+                name,
+                f.get(Counter::Marks),
+                f.get(Counter::Duplicates),
+                f.get(Counter::Renewals),
+                f.get(Counter::Purged),
+                f.backlog,
+                f.get(Counter::Lookups),
+                f.get(Counter::CertainlyNew),
+                f.get(Counter::FalsePositives),
+                f.trusted,
+            ),
+            None => (name, None, None, None, None, None, None, None, None, false),
         })
         .collect();
     TableIterator::new(rows)
@@ -74,7 +103,9 @@ fn worker_stats() -> TableIterator<
     ),
 > {
     use std::sync::atomic::Ordering::Relaxed;
-    let slot = crate::shmem::region().and_then(|r| r.worker_slot(unsafe { pg_sys::MyDatabaseId }, false));
+    // SAFETY: reads a backend global, set once connected.
+    let database = unsafe { pg_sys::MyDatabaseId };
+    let slot = shmem::region().and_then(|r| r.worker_slot(database, false));
     let row = match slot {
         Some(w) => {
             let pid = w.pid.load(Relaxed);

@@ -5,12 +5,10 @@
 //! Bloom filter loaded for the database's inboxes. Nothing crash-loops: a missing database or extension is logged
 //! once and waited for, and an ERROR in one batch is logged and the next goes on.
 
-use crate::claim::statement_now;
 use crate::errors::server_log;
-use crate::inbox::{self, Access};
-use crate::shmem::{self, WorkerSlot};
-use crate::purge::HeldRows;
-use crate::{filter, guc, purge, rebuild};
+use crate::shmem;
+use crate::xact::in_transaction;
+use crate::{guc, ports, purge, rebuild};
 use pgrx::bgworkers::{
     BackgroundWorker, BackgroundWorkerBuilder, BackgroundWorkerStatus, BgWorkerStartTime, DynamicBackgroundWorker,
     SignalWakeFlags,
@@ -22,13 +20,6 @@ use std::time::{Duration, Instant};
 
 /// How often the launcher looks at its workers, and a worker at the filter.
 const NAP: Duration = Duration::from_secs(1);
-/// Rotate the filter when its measured rate exceeds the target by this factor.
-const ROTATE_AT: f64 = 1.1;
-/// Seconds between rotations that end above target, doubling from the first to the second.
-const MIN_BACKOFF: u64 = 1;
-const MAX_BACKOFF: u64 = 600;
-/// Backlog counts stop here: past it, "a lot" is all an operator needs to know.
-const BACKLOG_COUNT_CAP: i64 = 1_000_000;
 
 pub fn init_preloaded() {
     BackgroundWorkerBuilder::new("pg_dedup launcher")
@@ -39,43 +30,6 @@ pub fn init_preloaded() {
         .set_start_time(BgWorkerStartTime::RecoveryFinished)
         .set_restart_time(Some(Duration::from_secs(5)))
         .load();
-}
-
-/// Runs `body` in a transaction of its own. An ERROR rolls the transaction back and comes back as Err (its
-/// SQLSTATE and message), so one failing step never takes the worker down.
-fn try_transaction<R>(body: impl FnOnce() -> R + std::panic::UnwindSafe) -> Result<R, (PgSqlErrorCode, String)> {
-    let context = unsafe { pg_sys::CurrentMemoryContext };
-    unsafe {
-        pg_sys::SetCurrentStatementStartTimestamp();
-        pg_sys::StartTransactionCommand();
-        pg_sys::PushActiveSnapshot(pg_sys::GetTransactionSnapshot());
-    }
-    PgTryBuilder::new(|| {
-        let result = body();
-        unsafe {
-            pg_sys::PopActiveSnapshot();
-            pg_sys::CommitTransactionCommand();
-        }
-        Ok(result)
-    })
-    .catch_others(|caught| {
-        let report = match &caught {
-            pg_sys::panic::CaughtError::PostgresError(e) | pg_sys::panic::CaughtError::ErrorReport(e) => e,
-            pg_sys::panic::CaughtError::RustPanic { ereport, .. } => ereport,
-        };
-        let error = (report.sql_error_code(), report.message().to_owned());
-        unsafe {
-            pg_sys::AbortCurrentTransaction();
-            pg_sys::MemoryContextSwitchTo(context);
-        }
-        Err(error)
-    })
-    .execute()
-}
-
-/// `try_transaction`, logging an ERROR (with `what`) and turning it into None.
-fn in_transaction<R>(what: &str, body: impl FnOnce() -> R + std::panic::UnwindSafe) -> Option<R> {
-    try_transaction(body).map_err(|(_, message)| server_log!("pg_dedup worker: {what} failed: {message}")).ok()
 }
 
 #[pg_guard]
@@ -141,8 +95,7 @@ fn database_oid(name: &str) -> Option<pg_sys::Oid> {
             if tuple.is_null() {
                 break;
             }
-            let data = (*tuple).t_data;
-            let form = (data as *const u8).add((*data).t_hoff as usize) as *const pg_sys::FormData_pg_database;
+            let form = ports::GETSTRUCT::<pg_sys::FormData_pg_database>(tuple);
             if std::ffi::CStr::from_ptr((*form).datname.data.as_ptr()).to_bytes() == name.as_bytes() {
                 found = Some((*form).oid);
                 break;
@@ -232,10 +185,14 @@ pub extern "C-unwind" fn pg_dedup_worker_main(arg: pg_sys::Datum) {
         told_missing = !installed;
         let interval = Duration::from_secs(guc::PURGE_INTERVAL.get().max(1) as u64);
         if installed {
-            in_transaction("looking after the Bloom filter", look_after_filter);
+            in_transaction("looking after the Bloom filter", rebuild::look_after_filter);
             if guc::PURGE.get() && last_purge.is_none_or(|t| t.elapsed() >= interval) {
                 last_purge = Some(Instant::now());
-                purge_cycle(slot, &database);
+                // A cycle stops between two batches when the worker is asked to stop, or its database has left
+                // `dedup.database` (so that a DROP DATABASE after the reload need not wait for a long cycle).
+                purge::purge_cycle(slot, || {
+                    !BackgroundWorker::sigterm_received() && reload_and_still_listed(&database)
+                });
             }
         }
         // Publish what the purges did to the table statistics, as a backend does when it goes idle: autovacuum
@@ -270,125 +227,4 @@ fn reload_if_asked() {
 fn reload_and_still_listed(database: &str) -> bool {
     reload_if_asked();
     guc::worker_databases().iter().any(|name| name == database)
-}
-
-/// One purge cycle over every inbox of this database. It stops between two batches when the worker is asked to
-/// stop, or its database has left `dedup.database` (so that a DROP DATABASE after the reload need not wait for a
-/// long cycle).
-fn purge_cycle(slot: &WorkerSlot, database: &str) {
-    let started = Instant::now();
-    slot.last_cycle_start.store(unsafe { pg_sys::GetCurrentTimestamp() }, Ordering::Relaxed);
-    let names = in_transaction("listing inboxes", inbox::all_names).unwrap_or_default();
-    let cap = match guc::PURGE_MAX_ROWS_PER_CYCLE.get() {
-        0 => i64::MAX,
-        n => n as i64,
-    };
-    let mut total = 0i64;
-    for name in &names {
-        let mut capped = false;
-        loop {
-            if BackgroundWorker::sigterm_received() || !reload_and_still_listed(database) {
-                return;
-            }
-            let limit = (guc::PURGE_BATCH_SIZE.get() as i64).min(cap - total);
-            if limit <= 0 {
-                capped = true;
-                break;
-            }
-            let batch = |held| {
-                move || {
-                    let inbox = inbox::open(name, Access::Delete);
-                    inbox::as_owner(inbox.relid, || purge::purge_batch(&inbox, statement_now(), limit, held))
-                }
-            };
-            // The quick attempt; if it met a row another transaction holds, it was rolled back: skip held rows.
-            let deleted = match try_transaction(batch(HeldRows::WaitBriefly)) {
-                Ok(deleted) => Some(deleted),
-                Err((PgSqlErrorCode::ERRCODE_LOCK_NOT_AVAILABLE, _)) => in_transaction("purging a batch", batch(HeldRows::Skip)),
-                Err((_, message)) => {
-                    server_log!("pg_dedup worker: purging a batch failed: {message}");
-                    None
-                }
-            };
-            let Some(deleted) = deleted else { break };
-            total += deleted;
-            if deleted < limit {
-                break;
-            }
-            let delay = guc::PURGE_BATCH_DELAY.get();
-            if delay > 0 && !BackgroundWorker::wait_latch(Some(Duration::from_millis(delay as u64))) {
-                return; // terminated, or the postmaster died
-            }
-        }
-        record_backlog(name, capped);
-    }
-    slot.cycles.fetch_add(1, Ordering::Relaxed);
-    slot.last_cycle_micros.store(started.elapsed().as_micros() as i64, Ordering::Relaxed);
-    slot.last_cycle_rows.store(total, Ordering::Relaxed);
-}
-
-/// After a cycle: nothing left behind, unless the cycle stopped at its cap; then count what waits (bounded).
-fn record_backlog(name: &str, capped: bool) {
-    in_transaction("estimating the backlog", || {
-        let inbox = inbox::open(name, Access::Read);
-        let backlog = if capped {
-            Spi::get_one_with_args::<i64>(
-                &format!(
-                    "SELECT count(*) FROM (SELECT 1 FROM {} WHERE expires_at OPERATOR(pg_catalog.<=) $1 LIMIT {BACKLOG_COUNT_CAP}) s",
-                    inbox.table
-                ),
-                &[statement_now().into()],
-            )
-            .ok()
-            .flatten()
-            .unwrap_or(-1)
-        } else {
-            0
-        };
-        inbox.set_backlog(backlog);
-    });
-}
-
-/// Loads inboxes the active filter generation does not cover; rotates when expired marks have pushed the measured
-/// false-positive rate above target.
-fn look_after_filter() {
-    // No inbox locks here: a rotation waits for running transactions, and holding a lock a DDL statement waits
-    // for, while that statement blocks a transaction we wait for, would deadlock.
-    let relids: Vec<pg_sys::Oid> = inbox::all_names().iter().filter_map(|name| inbox::relid(name)).collect();
-    if !filter::untrusted(&relids).is_empty() {
-        if let Some(done) = rebuild::run(false) {
-            server_log!("pg_dedup worker: loaded {} marks of {} inbox(es) into the Bloom filter", done.keys, done.inboxes);
-        }
-        return;
-    }
-    let target = guc::BLOOM_FPR.get();
-    let (Some(region), Some(measured)) = (shmem::region(), filter::active_fpr()) else { return };
-    let now = unsafe { pg_sys::GetCurrentTimestamp() };
-    if measured <= ROTATE_AT * target || now < region.next_rotation_at.load(Ordering::Relaxed) {
-        return;
-    }
-    let Some(done) = rebuild::run(true) else { return };
-    let after = filter::active_fpr().unwrap_or(0.0);
-    // A rotation that ends above target (marks arriving faster than it reloads, or more live marks than the filter
-    // holds) is not repeated at once: the wait doubles, from MIN_BACKOFF up to MAX_BACKOFF, until one succeeds.
-    let backoff = if after <= target {
-        MIN_BACKOFF
-    } else {
-        (region.rotation_backoff.load(Ordering::Relaxed) * 2).clamp(MIN_BACKOFF, MAX_BACKOFF)
-    };
-    region.rotation_backoff.store(backoff, Ordering::Relaxed);
-    region.next_rotation_at.store(now + backoff as i64 * 1_000_000, Ordering::Relaxed);
-    server_log!(
-        "pg_dedup worker: rotated the Bloom filter ({} live marks reloaded; false-positive rate {measured:.4} -> {after:.4})",
-        done.keys
-    );
-    let capacity = guc::BLOOM_CAPACITY.get() as i64;
-    if done.keys > capacity {
-        warning!(
-            "dedup: the Bloom filter is undersized: {} live marks in this database alone, capacity {capacity}; set \
-             dedup.bloom_capacity to at least {} and restart",
-            done.keys,
-            done.keys * 2
-        );
-    }
 }

@@ -1,0 +1,101 @@
+//! Every SQL statement pg_dedup runs against an inbox table, prepared once per backend and inbox (see `cache`).
+//! Names and operators are schema-qualified so that nothing on the caller's `search_path` can take their place.
+
+use pgrx::PgOid;
+
+macro_rules! statements {
+    ($($(#[$doc:meta])* $name:ident,)*) => {
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        pub enum Stmt {
+            $($(#[$doc])* $name,)*
+        }
+
+        /// How many statements there are: one cached plan each.
+        pub const STATEMENT_COUNT: usize = [$(Stmt::$name),*].len();
+    };
+}
+
+statements! {
+    /// $1 id, $2 expires_at → a row if the id was inserted.
+    Insert,
+    /// $1 ids (sorted, distinct), $2 expires_at → the ids inserted.
+    InsertMany,
+    /// $1 ids → (id, expires_at) of every row visible now, live or expired.
+    Probe,
+    /// The same for one id ($1 text). A plan of its own because the plan cache never settles on a generic plan for
+    /// `= ANY ($1)`, and re-planning every duplicate's lookup cost more than the lookup.
+    ProbeOne,
+    /// $1 ids, $2 new expires_at, $3 now → the ids whose expired row this call renewed.
+    Renew,
+    /// $1 id, $2 now → a row if a live mark is visible.
+    Seen,
+    /// $1 id, $2 now → one boolean per deleted row: was it live?
+    Forget,
+    /// $1 now, $2 batch size → deletes up to that many expired rows, skipping rows other transactions hold.
+    PurgeBatch,
+    /// The same without row locks (what a hand-written purge does): it would wait for a row another transaction
+    /// holds, so it runs under a short lock_timeout and falls back to `PurgeBatch`.
+    PurgeBatchUnlocked,
+    /// $1 now, $2 cap → how many expired rows wait, counted up to the cap.
+    Backlog,
+    /// Every id in the table (read through a cursor when loading the filter).
+    ScanIds,
+}
+
+impl Stmt {
+    pub(super) fn index(self) -> usize {
+        self as usize
+    }
+
+    pub(super) fn sql(self, table: &str) -> String {
+        match self {
+            Stmt::Insert => format!(
+                "INSERT INTO {table} (id, expires_at) VALUES ($1, $2) ON CONFLICT (id) DO NOTHING RETURNING true"
+            ),
+            Stmt::InsertMany => format!(
+                "INSERT INTO {table} (id, expires_at) SELECT u.id, $2 FROM pg_catalog.unnest($1) WITH ORDINALITY \
+                 AS u(id, n) ORDER BY u.n ON CONFLICT (id) DO NOTHING RETURNING id"
+            ),
+            Stmt::Probe => format!("SELECT id, expires_at FROM {table} WHERE id OPERATOR(pg_catalog.=) ANY ($1)"),
+            Stmt::ProbeOne => format!("SELECT id, expires_at FROM {table} WHERE id OPERATOR(pg_catalog.=) $1"),
+            Stmt::Renew => format!(
+                "UPDATE {table} SET expires_at = $2 WHERE id OPERATOR(pg_catalog.=) ANY ($1) \
+                 AND expires_at OPERATOR(pg_catalog.<=) $3 RETURNING id"
+            ),
+            Stmt::Seen => format!(
+                "SELECT true FROM {table} WHERE id OPERATOR(pg_catalog.=) $1 AND expires_at OPERATOR(pg_catalog.>) $2"
+            ),
+            Stmt::Forget => format!(
+                "DELETE FROM {table} WHERE id OPERATOR(pg_catalog.=) $1 RETURNING expires_at OPERATOR(pg_catalog.>) $2"
+            ),
+            Stmt::PurgeBatch => format!(
+                "DELETE FROM {table} WHERE ctid OPERATOR(pg_catalog.=) ANY (ARRAY(SELECT ctid FROM {table} \
+                 WHERE expires_at OPERATOR(pg_catalog.<=) $1 LIMIT $2 FOR UPDATE SKIP LOCKED))"
+            ),
+            Stmt::PurgeBatchUnlocked => format!(
+                "DELETE FROM {table} WHERE ctid OPERATOR(pg_catalog.=) ANY (ARRAY(SELECT ctid FROM {table} \
+                 WHERE expires_at OPERATOR(pg_catalog.<=) $1 LIMIT $2))"
+            ),
+            Stmt::Backlog => format!(
+                "SELECT pg_catalog.count(*) FROM (SELECT 1 FROM {table} \
+                 WHERE expires_at OPERATOR(pg_catalog.<=) $1 LIMIT $2) s"
+            ),
+            Stmt::ScanIds => format!("SELECT id FROM {table}"),
+        }
+    }
+
+    pub(super) fn arg_types(self) -> Vec<PgOid> {
+        use pgrx::pg_sys::BuiltinOid::*;
+        let oids = match self {
+            Stmt::Insert => vec![TEXTOID, TIMESTAMPTZOID],
+            Stmt::InsertMany => vec![TEXTARRAYOID, TIMESTAMPTZOID],
+            Stmt::Probe => vec![TEXTARRAYOID],
+            Stmt::ProbeOne => vec![TEXTOID],
+            Stmt::Renew => vec![TEXTARRAYOID, TIMESTAMPTZOID, TIMESTAMPTZOID],
+            Stmt::Seen | Stmt::Forget => vec![TEXTOID, TIMESTAMPTZOID],
+            Stmt::PurgeBatch | Stmt::PurgeBatchUnlocked | Stmt::Backlog => vec![TIMESTAMPTZOID, INT8OID],
+            Stmt::ScanIds => vec![],
+        };
+        oids.into_iter().map(PgOid::BuiltIn).collect()
+    }
+}

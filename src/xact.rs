@@ -1,0 +1,105 @@
+//! Brackets that undo work on error: a subtransaction, the way a PL/pgSQL exception block does it (if the body
+//! fails with the one error the caller expects, everything it did is undone and the caller takes another road), and
+//! the background worker's own top-level transactions (an ERROR rolls back that transaction and comes back as a
+//! value, so one failing step never takes the worker down).
+
+use crate::errors::server_log;
+use crate::ports;
+use pgrx::prelude::*;
+
+/// A subtransaction that wrote something leaves its xid in the backend's cache of subtransaction ids until the
+/// top-level transaction ends. Past 64 that cache overflows and snapshots all over the cluster get slower (the
+/// classic subtransaction-overflow trap), so our optional subtransactions (the batch insert, purge's quick attempt)
+/// step aside once half of it is used, by us or by the application's own savepoints.
+const SUBXID_ROOM: u8 = 32;
+
+/// May we open one more subtransaction without pushing the cache towards overflow?
+pub fn has_room() -> bool {
+    let (count, overflowed) = ports::subxidStatus();
+    !overflowed && count < SUBXID_ROOM
+}
+
+/// Runs `body` in a subtransaction. If it raises `expected`, the subtransaction is rolled back — undoing
+/// everything `body` did — and None is returned; any other error rolls it back too and propagates.
+pub fn undo_on<R>(expected: PgSqlErrorCode, body: impl FnOnce() -> R) -> Option<R> {
+    // Whatever `body` touched in Postgres is undone by the rollback; Rust state it shares (the plan cache) stays
+    // valid across an unwind.
+    let body = std::panic::AssertUnwindSafe(body);
+    // SAFETY: reads backend globals.
+    let (context, owner) = unsafe { (pg_sys::CurrentMemoryContext, pg_sys::CurrentResourceOwner) };
+    // Like PL/pgSQL: the body allocates in the caller's memory context, but what it acquires (buffer pins, locks,
+    // relation references) belongs to the subtransaction's resource owner, so the rollback releases it. The
+    // caller's owner comes back only once the subtransaction is over.
+    // SAFETY: puts back what was read above; both outlive the subtransaction.
+    let restore = move || unsafe {
+        pg_sys::MemoryContextSwitchTo(context);
+        pg_sys::CurrentResourceOwner = owner;
+    };
+    // SAFETY: inside a transaction (every caller runs in one); ended on every path below.
+    unsafe {
+        pg_sys::BeginInternalSubTransaction(std::ptr::null());
+        pg_sys::MemoryContextSwitchTo(context);
+    }
+    PgTryBuilder::new(|| {
+        let result = body();
+        // SAFETY: the subtransaction begun above is the current one.
+        unsafe { pg_sys::ReleaseCurrentSubTransaction() };
+        restore();
+        Some(result)
+    })
+    .catch_when(expected, |_| {
+        // SAFETY: as above.
+        unsafe { pg_sys::RollbackAndReleaseCurrentSubTransaction() };
+        restore();
+        None
+    })
+    .catch_others(|error| {
+        // Leave the transaction as we found it, then let the error go on to the caller.
+        // SAFETY: as above.
+        unsafe { pg_sys::RollbackAndReleaseCurrentSubTransaction() };
+        restore();
+        error.rethrow()
+    })
+    .execute()
+}
+
+/// Runs `body` in a transaction of its own (background workers only: there is no transaction around it). An ERROR
+/// rolls the transaction back and comes back as Err (its SQLSTATE and message).
+pub fn try_transaction<R>(body: impl FnOnce() -> R + std::panic::UnwindSafe) -> Result<R, (PgSqlErrorCode, String)> {
+    // SAFETY: reads a backend global.
+    let context = unsafe { pg_sys::CurrentMemoryContext };
+    // SAFETY: a worker between transactions may start one; it is committed or aborted on every path below.
+    unsafe {
+        pg_sys::SetCurrentStatementStartTimestamp();
+        pg_sys::StartTransactionCommand();
+        pg_sys::PushActiveSnapshot(pg_sys::GetTransactionSnapshot());
+    }
+    PgTryBuilder::new(|| {
+        let result = body();
+        // SAFETY: the snapshot and transaction begun above.
+        unsafe {
+            pg_sys::PopActiveSnapshot();
+            pg_sys::CommitTransactionCommand();
+        }
+        Ok(result)
+    })
+    .catch_others(|caught| {
+        let report = match &caught {
+            pg_sys::panic::CaughtError::PostgresError(e) | pg_sys::panic::CaughtError::ErrorReport(e) => e,
+            pg_sys::panic::CaughtError::RustPanic { ereport, .. } => ereport,
+        };
+        let error = (report.sql_error_code(), report.message().to_owned());
+        // SAFETY: aborting releases the snapshot and everything else the transaction held.
+        unsafe {
+            pg_sys::AbortCurrentTransaction();
+            pg_sys::MemoryContextSwitchTo(context);
+        }
+        Err(error)
+    })
+    .execute()
+}
+
+/// `try_transaction`, logging an ERROR (with `what`) and turning it into None.
+pub fn in_transaction<R>(what: &str, body: impl FnOnce() -> R + std::panic::UnwindSafe) -> Option<R> {
+    try_transaction(body).map_err(|(_, message)| server_log!("pg_dedup worker: {what} failed: {message}")).ok()
+}
