@@ -5,6 +5,7 @@
 #   make test-long  the long reliability runs (the full-size race storm, 30 minutes of steady load)
 #   make bench   benchmarks against baselines measured in the same run (BENCH_QUICK=1 for a short run)
 #   make package  install artifacts in dist/: a tarball per major, a .deb for Debian's PostgreSQL 15
+#   make lint    formatting (cargo fmt --check) and clippy with warnings as errors, as CI runs them
 # Both run scripts/setup.sh first: it installs what is missing (apt packages, cargo-pgrx, PostgreSQL 13 and 18
 # built from source) and does nothing when everything is in place.
 
@@ -24,9 +25,14 @@ test-long: export LOAD_SECONDS = 1800
 test-long: TESTS = --test storm --test load
 test-long: test
 
-.PHONY: setup demo test test-long install bench package package-test
+.PHONY: setup demo test test-long install bench package package-test lint
 setup:
 	@scripts/setup.sh
+
+# The default feature (PostgreSQL 15) for clippy, as for an editor's cargo check.
+lint: setup
+	@cargo fmt --all --check
+	@cargo clippy -q --workspace --all-targets -- -D warnings
 
 install: setup
 	@for v in $(PG_VERSIONS); do echo "== installing pg_dedup into PostgreSQL $$v"; scripts/pg.sh install_extension $$v || exit 1; done

@@ -32,11 +32,7 @@ fn require_writable(function: &str) {
 /// Records `id` in `inbox` for `ttl` (NULL: the inbox's default) inside the current transaction. True the first
 /// time within the window, false for a duplicate. Waits for a concurrent transaction marking the same id.
 #[pg_extern(volatile, parallel_unsafe)]
-fn mark(
-    id: Option<&str>,
-    ttl: default!(Option<Interval>, "NULL"),
-    inbox: default!(Option<&str>, "'default'"),
-) -> bool {
+fn mark(id: Option<&str>, ttl: default!(Option<Interval>, "NULL"), inbox: default!(Option<&str>, "'default'")) -> bool {
     require_writable("mark");
     let id = input::id(id);
     let ttl = ttl.map(input::ttl);
@@ -121,4 +117,3 @@ fn purge(inbox: default!(Option<&str>, "NULL"), max_rows: default!(Option<i64>, 
     }
     deleted
 }
-

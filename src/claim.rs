@@ -223,9 +223,7 @@ fn probe(inbox: &Inbox, ids: &[String], now: TimestampWithTimeZone) -> (HashSet<
 }
 
 fn returned_ids(inbox: &Inbox, stmt: Stmt, args: &[pgrx::datum::DatumWithOid<'_>]) -> HashSet<String> {
-    Spi::connect(|client| {
-        inbox.run(client, stmt, args).filter_map(|row| row.get::<String>(1).ok().flatten()).collect()
-    })
+    Spi::connect(|client| inbox.run(client, stmt, args).filter_map(|row| row.get::<String>(1).ok().flatten()).collect())
 }
 
 /// Is there a live mark for `id` visible to this transaction? The filter answers "certainly not" when it can.

@@ -69,7 +69,8 @@ fn insert_all(rel: pg_sys::Relation, ns: u64, ids: &[String], expires_at: pg_sys
 unsafe fn insert_each(rel: pg_sys::Relation, ns: u64, ids: &[String], expires_at: pg_sys::Datum) -> Vec<String> {
     with_indexes(rel, |estate, result_rel| {
         let slot = row_slots(rel, 1)[0];
-        let inserted = ids.iter().filter(|id| insert_one(rel, ns, (estate, result_rel), slot, id, expires_at)).cloned().collect();
+        let inserted =
+            ids.iter().filter(|id| insert_one(rel, ns, (estate, result_rel), slot, id, expires_at)).cloned().collect();
         pg_sys::ExecDropSingleTupleTableSlot(slot);
         inserted
     })
@@ -94,7 +95,14 @@ unsafe fn insert_one(
     store_row(slot, id, expires_at);
     let xid = pg_sys::GetCurrentTransactionId();
     let token = pg_sys::SpeculativeInsertionLockAcquire(xid);
-    pg_sys::table_tuple_insert_speculative(rel, slot, pg_sys::GetCurrentCommandId(true), 0, std::ptr::null_mut(), token);
+    pg_sys::table_tuple_insert_speculative(
+        rel,
+        slot,
+        pg_sys::GetCurrentCommandId(true),
+        0,
+        std::ptr::null_mut(),
+        token,
+    );
     let mut conflict = false;
     ports::ExecInsertIndexTuples(result_rel, slot, estate, Some(&mut conflict));
     pg_sys::table_tuple_complete_speculative(rel, slot, token, !conflict);

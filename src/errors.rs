@@ -7,9 +7,7 @@ use pgrx::prelude::*;
 /// Raises a Postgres `ERROR` (never returns). The current transaction (or savepoint) aborts, so a failing call
 /// leaves nothing behind.
 pub fn raise(code: PgSqlErrorCode, message: impl Into<String>, hint: impl Into<String>) -> ! {
-    ErrorReport::new(code, format!("dedup: {}", message.into()), "pg_dedup")
-        .set_hint(hint)
-        .report(PgLogLevel::ERROR);
+    ErrorReport::new(code, format!("dedup: {}", message.into()), "pg_dedup").set_hint(hint).report(PgLogLevel::ERROR);
     unreachable!("an ERROR report does not return")
 }
 

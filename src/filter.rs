@@ -117,7 +117,9 @@ pub fn untrusted(inboxes: &[pg_sys::Oid]) -> Vec<pg_sys::Oid> {
     inboxes
         .iter()
         .copied()
-        .filter(|relid| h.entry(namespace(*relid), false).is_none_or(|e| e.loaded[gen].load(Ordering::Acquire) != epoch))
+        .filter(|relid| {
+            h.entry(namespace(*relid), false).is_none_or(|e| e.loaded[gen].load(Ordering::Acquire) != epoch)
+        })
         .collect()
 }
 
@@ -208,7 +210,9 @@ fn wait_for_writing_transactions() {
         let next = pg_sys::TransactionId::from(pg_sys::ReadNextFullTransactionId().value as u32);
         let mut xid = (*snapshot).xmax;
         while xid != next {
-            if xid.into_inner() >= pg_sys::FirstNormalTransactionId.into_inner() && pg_sys::TransactionIdIsInProgress(xid) {
+            if xid.into_inner() >= pg_sys::FirstNormalTransactionId.into_inner()
+                && pg_sys::TransactionIdIsInProgress(xid)
+            {
                 running.push(xid);
             }
             xid = pg_sys::TransactionId::from(xid.into_inner().wrapping_add(1));

@@ -8,10 +8,10 @@
 
 use crate::clock::statement_now;
 use crate::errors::server_log;
+use crate::guc;
 use crate::inbox::{self, Access, Inbox, Stmt};
 use crate::shmem::{Counter, WorkerSlot};
 use crate::xact::{self, in_transaction, try_transaction};
-use crate::guc;
 use pgrx::bgworkers::BackgroundWorker;
 use pgrx::prelude::*;
 use std::ffi::{CStr, CString};
@@ -129,7 +129,9 @@ pub fn purge_cycle(slot: &WorkerSlot, keep_going: impl Fn() -> bool) {
             // The quick attempt; if it met a row another transaction holds, it was rolled back: skip held rows.
             let deleted = match try_transaction(batch(HeldRows::WaitBriefly)) {
                 Ok(deleted) => Some(deleted),
-                Err((PgSqlErrorCode::ERRCODE_LOCK_NOT_AVAILABLE, _)) => in_transaction("purging a batch", batch(HeldRows::Skip)),
+                Err((PgSqlErrorCode::ERRCODE_LOCK_NOT_AVAILABLE, _)) => {
+                    in_transaction("purging a batch", batch(HeldRows::Skip))
+                }
                 Err((_, message)) => {
                     server_log!("pg_dedup worker: purging a batch failed: {message}");
                     None

@@ -30,10 +30,8 @@ pub fn run(rotate: bool) -> Option<Rebuilt> {
     // Everything from here reads through a snapshot taken now, after the wait in `target`: the caller's snapshot
     // (taken before it) would miss rows committed meanwhile.
     unsafe { pg_sys::PushActiveSnapshot(pg_sys::GetLatestSnapshot()) };
-    let inboxes: Vec<(String, pg_sys::Oid)> = inbox::all_names()
-        .into_iter()
-        .filter_map(|name| inbox::relid(&name).map(|relid| (name, relid)))
-        .collect();
+    let inboxes: Vec<(String, pg_sys::Oid)> =
+        inbox::all_names().into_iter().filter_map(|name| inbox::relid(&name).map(|relid| (name, relid))).collect();
     let relids: Vec<pg_sys::Oid> = inboxes.iter().map(|(_, relid)| *relid).collect();
     let wanted = if rotate { relids } else { filter::untrusted(&relids) };
     let mut done = Rebuilt { inboxes: 0, keys: 0 };
@@ -60,25 +58,27 @@ fn load_inbox(guard: &RebuildGuard, target: usize, name: &str, relid: pg_sys::Oi
     .ok()
     .flatten()
     .unwrap_or(false);
-    let keys = inbox::as_owner(relid, || Spi::connect(|client| {
-        let plan = inbox.plan(client, Stmt::ScanIds);
-        let mut cursor = client.try_open_cursor(plan, &[]).unwrap_or_else(|e| internal("scanning an inbox", e));
-        let mut keys = 0;
-        loop {
-            let rows = cursor.fetch(FETCH).unwrap_or_else(|e| internal("scanning an inbox", e));
-            if rows.is_empty() {
-                return keys;
-            }
-            for row in rows {
-                if let Ok(Some(id)) = row.get::<&str>(1) {
-                    guard.load(target, ns, id);
-                    keys += 1;
+    let keys = inbox::as_owner(relid, || {
+        Spi::connect(|client| {
+            let plan = inbox.plan(client, Stmt::ScanIds);
+            let mut cursor = client.try_open_cursor(plan, &[]).unwrap_or_else(|e| internal("scanning an inbox", e));
+            let mut keys = 0;
+            loop {
+                let rows = cursor.fetch(FETCH).unwrap_or_else(|e| internal("scanning an inbox", e));
+                if rows.is_empty() {
+                    return keys;
                 }
+                for row in rows {
+                    if let Ok(Some(id)) = row.get::<&str>(1) {
+                        guard.load(target, ns, id);
+                        keys += 1;
+                    }
+                }
+                // Each fetch's rows live until the SPI connection ends unless freed: free them batch by batch.
+                unsafe { pg_sys::SPI_freetuptable(pg_sys::SPI_tuptable) };
             }
-            // Each fetch's rows live until the SPI connection ends unless freed: free them batch by batch.
-            unsafe { pg_sys::SPI_freetuptable(pg_sys::SPI_tuptable) };
-        }
-    }));
+        })
+    });
     if guarded {
         guard.loaded(target, ns);
     }
@@ -120,7 +120,11 @@ pub fn look_after_filter() {
     let relids: Vec<pg_sys::Oid> = inbox::all_names().iter().filter_map(|name| inbox::relid(name)).collect();
     if !filter::untrusted(&relids).is_empty() {
         if let Some(done) = run(false) {
-            server_log!("pg_dedup worker: loaded {} marks of {} inbox(es) into the Bloom filter", done.keys, done.inboxes);
+            server_log!(
+                "pg_dedup worker: loaded {} marks of {} inbox(es) into the Bloom filter",
+                done.keys,
+                done.inboxes
+            );
         }
         return;
     }

@@ -3,8 +3,8 @@
 //! creates it (start, and re-initialisation after a crash), so nothing in it survives a restart.
 
 use crate::guc;
-use pg_dedup_bloom::WORDS_PER_BLOCK;
 use crate::ports;
+use pg_dedup_bloom::WORDS_PER_BLOCK;
 use pgrx::prelude::*;
 use std::cell::Cell;
 use std::sync::atomic::{AtomicI32, AtomicI64, AtomicU32, AtomicU64, Ordering};
@@ -226,7 +226,13 @@ impl Header {
     pub fn worker_slot(&'static self, db: pg_sys::Oid, create: bool) -> Option<&'static WorkerSlot> {
         let db = db.to_u32();
         self.workers.iter().find(|w| w.db.load(Ordering::Acquire) == db).or_else(|| {
-            create.then(|| self.workers.iter().find(|w| w.db.compare_exchange(0, db, Ordering::AcqRel, Ordering::Acquire).is_ok())).flatten()
+            create
+                .then(|| {
+                    self.workers
+                        .iter()
+                        .find(|w| w.db.compare_exchange(0, db, Ordering::AcqRel, Ordering::Acquire).is_ok())
+                })
+                .flatten()
         })
     }
 }

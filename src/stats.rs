@@ -28,6 +28,8 @@ impl Figures {
     }
 }
 
+// The result columns are spelt out in the signature: that is how pgrx names them.
+#[allow(clippy::type_complexity)]
 #[pg_extern(volatile, parallel_safe)]
 fn inbox_stats() -> TableIterator<
     'static,
@@ -65,6 +67,8 @@ fn inbox_stats() -> TableIterator<
     TableIterator::new(rows)
 }
 
+// The result columns are spelt out in the signature: that is how pgrx names them.
+#[allow(clippy::type_complexity)]
 #[pg_extern(volatile, parallel_safe)]
 fn filter_stats() -> TableIterator<
     'static,
@@ -91,6 +95,8 @@ fn filter_stats() -> TableIterator<
 }
 
 /// The purge worker of this database: its pid (NULL when none runs) and its last cycle.
+// The result columns are spelt out in the signature: that is how pgrx names them.
+#[allow(clippy::type_complexity)]
 #[pg_extern(volatile, parallel_safe)]
 fn worker_stats() -> TableIterator<
     'static,

@@ -64,7 +64,9 @@ pub extern "C-unwind" fn pg_dedup_launcher_main(_arg: pg_sys::Datum) {
                 }
                 _ => {
                     if told_missing.insert(name.clone()) {
-                        server_log!("pg_dedup launcher: database \"{name}\" (in dedup.database) does not exist; waiting for it");
+                        server_log!(
+                            "pg_dedup launcher: database \"{name}\" (in dedup.database) does not exist; waiting for it"
+                        );
                     }
                 }
             }
@@ -120,7 +122,9 @@ fn start_worker(name: &str, oid: pg_sys::Oid) -> Result<DynamicBackgroundWorker,
 
 /// Is a worker recorded in `db`'s slot alive?
 fn worker_serving(db: pg_sys::Oid) -> bool {
-    shmem::region().and_then(|r| r.worker_slot(db, false)).is_some_and(|slot| serving(slot.pid.load(Ordering::Acquire), db))
+    shmem::region()
+        .and_then(|r| r.worker_slot(db, false))
+        .is_some_and(|slot| serving(slot.pid.load(Ordering::Acquire), db))
 }
 
 /// Is `pid` a live server process connected to database `db` (the worker recorded in a slot)? Looking in the
@@ -180,7 +184,9 @@ pub extern "C-unwind" fn pg_dedup_worker_main(arg: pg_sys::Datum) {
         })
         .unwrap_or(false);
         if !installed && !told_missing {
-            server_log!("pg_dedup worker: extension pg_dedup is not installed in database \"{database}\"; waiting for it");
+            server_log!(
+                "pg_dedup worker: extension pg_dedup is not installed in database \"{database}\"; waiting for it"
+            );
         }
         told_missing = !installed;
         let interval = Duration::from_secs(guc::PURGE_INTERVAL.get().max(1) as u64);

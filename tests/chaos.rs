@@ -54,7 +54,9 @@ struct Consumer {
 
 /// How a delivery ended.
 enum Outcome {
-    Acked { new: bool },
+    Acked {
+        new: bool,
+    },
     /// The consumer died: at its crash point, or shot (None).
     Died(Option<Crash>),
 }
@@ -260,7 +262,15 @@ fn consumers_killed_anywhere_leave_an_exactly_once_ledger() {
         "{runs} runs (seeds {first} to {last}), {} events, {} deliveries, {} duplicates dropped, \
          {} consumers killed ({}/{}/{}/{} before mark/after mark/before commit/after commit, {} at random moments): \
          ledger exact in every run",
-        t.events, t.deliveries, t.duplicates, d.iter().sum::<u64>(), d[0], d[1], d[2], d[3], d[4]
+        t.events,
+        t.deliveries,
+        t.duplicates,
+        d.iter().sum::<u64>(),
+        d[0],
+        d[1],
+        d[2],
+        d[3],
+        d[4]
     );
     if replay_one.is_none() {
         assert!(d.iter().all(|&n| n > 0), "every crash point and the killer struck at least once: {d:?}");

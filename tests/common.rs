@@ -42,15 +42,20 @@ pub fn connect(db: &str) -> Client {
     cluster().connect(db)
 }
 
+/// The notices a connection received: (message, hint) each.
+pub type Notices = Arc<Mutex<Vec<(String, String)>>>;
+
 /// A connection as `postgres` that keeps every NOTICE the server sends it (message, hint).
-pub fn connect_keeping_notices(cluster: &Cluster, db: &str) -> (Client, Arc<Mutex<Vec<(String, String)>>>) {
+pub fn connect_keeping_notices(cluster: &Cluster, db: &str) -> (Client, Notices) {
     let notices = Arc::new(Mutex::new(Vec::new()));
     let kept = notices.clone();
     let client = cluster
         .conn_string(db, "postgres")
         .parse::<postgres::Config>()
         .unwrap()
-        .notice_callback(move |n| kept.lock().unwrap().push((n.message().to_owned(), n.hint().unwrap_or("").to_owned())))
+        .notice_callback(move |n| {
+            kept.lock().unwrap().push((n.message().to_owned(), n.hint().unwrap_or("").to_owned()))
+        })
         .connect(postgres::NoTls)
         .unwrap();
     (client, notices)

@@ -62,7 +62,8 @@ fn certainly_new_ids_bypass_the_executor_and_still_reach_the_filter() {
     assert_eq!(count(&mut c, "dedup.inbox_default"), 201);
     // The filter knows every id: all are "maybe" now, and duplicates.
     assert!(mark_many(&mut c, &strs(&batch), "default").is_empty());
-    let certain: i64 = c.query_one("SELECT certainly_new FROM dedup.stats WHERE inbox = 'default'", &[]).unwrap().get(0);
+    let certain: i64 =
+        c.query_one("SELECT certainly_new FROM dedup.stats WHERE inbox = 'default'", &[]).unwrap().get(0);
     assert_eq!(certain, 201, "the second call found every id in the filter");
     assert_no_resource_leaks(&cluster);
 }
@@ -228,5 +229,8 @@ fn assert_subtransaction_cache_has_room(c: &mut Client, after: &str) {
         )
         .unwrap();
     let (subxids, overflowed): (i32, bool) = (row.get(0), row.get(1));
-    assert!((1..=32).contains(&subxids) && !overflowed, "{after}: {subxids} subtransactions kept, overflowed {overflowed}");
+    assert!(
+        (1..=32).contains(&subxids) && !overflowed,
+        "{after}: {subxids} subtransactions kept, overflowed {overflowed}"
+    );
 }

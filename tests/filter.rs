@@ -176,7 +176,10 @@ fn a_hot_standby_never_trusts_the_filter_and_promotion_keeps_every_mark() {
     let state: String = s.query_one("SELECT filter_state FROM dedup.stats", &[]).unwrap().get(0);
     assert_eq!(state, "off: hot standby");
     let seen: i64 = s
-        .query_one("SELECT count(*) FROM unnest($1::text[]) u WHERE dedup.seen(u)", &[&[before.clone(), after.clone()].concat()])
+        .query_one(
+            "SELECT count(*) FROM unnest($1::text[]) u WHERE dedup.seen(u)",
+            &[&[before.clone(), after.clone()].concat()],
+        )
         .unwrap()
         .get(0);
     assert_eq!(seen, 2000);
@@ -212,7 +215,9 @@ fn logically_replicated_rows_reach_the_subscribers_filter() {
     s.batch_execute("DROP SUBSCRIPTION marks").unwrap();
     // The publisher's walsender lets go of the slot a moment after the subscription is disabled.
     eventually("the publisher's walsender releases the slot", || {
-        !p.query_one("SELECT active FROM pg_replication_slots WHERE slot_name = 'marks'", &[]).unwrap().get::<_, bool>(0)
+        !p.query_one("SELECT active FROM pg_replication_slots WHERE slot_name = 'marks'", &[])
+            .unwrap()
+            .get::<_, bool>(0)
     });
     p.batch_execute("SELECT pg_drop_replication_slot('marks')").unwrap();
 }
@@ -229,8 +234,11 @@ fn concurrent_marks_with_the_filter_claim_each_id_once() {
                     let mut c = cluster.connect("bloom_race");
                     let mut won = Vec::new();
                     for round in 0..100 {
-                        let batch: Vec<String> = (0..10).map(|k| format!("id-{}", (round * 3 + k * 11 + w) % 300)).collect();
-                        won.extend(c.query("SELECT * FROM dedup.mark_many($1)", &[&batch]).unwrap().iter().map(|r| r.get(0)));
+                        let batch: Vec<String> =
+                            (0..10).map(|k| format!("id-{}", (round * 3 + k * 11 + w) % 300)).collect();
+                        won.extend(
+                            c.query("SELECT * FROM dedup.mark_many($1)", &[&batch]).unwrap().iter().map(|r| r.get(0)),
+                        );
                     }
                     won
                 })
@@ -271,7 +279,10 @@ fn the_false_positive_rate_stays_at_target_over_many_ttl_cycles() {
     let (lookups, certain, _) = counters(&mut c, "default");
     let trials = 50_000;
     let seen: i64 = c
-        .query_one("SELECT count(*) FROM generate_series(1, $1) g WHERE dedup.seen('absent-' || g)", &[&(trials as i32)])
+        .query_one(
+            "SELECT count(*) FROM generate_series(1, $1) g WHERE dedup.seen('absent-' || g)",
+            &[&(trials as i32)],
+        )
         .unwrap()
         .get(0);
     assert_eq!(seen, 0);
@@ -320,11 +331,15 @@ fn marks_committed_while_the_filter_rotates_are_never_hidden() {
         markers.into_iter().flat_map(|m| m.join().unwrap()).collect()
     });
     assert!(trusted(&mut c, "default"));
-    let hidden: Vec<&String> = marked
-        .iter()
-        .filter(|id| !c.query_one("SELECT dedup.seen($1)", &[id]).unwrap().get::<_, bool>(0))
-        .collect();
-    assert!(hidden.is_empty(), "{} of {} committed marks hidden by the filter: {:?}", hidden.len(), marked.len(), &hidden[..hidden.len().min(5)]);
+    let hidden: Vec<&String> =
+        marked.iter().filter(|id| !c.query_one("SELECT dedup.seen($1)", &[id]).unwrap().get::<_, bool>(0)).collect();
+    assert!(
+        hidden.is_empty(),
+        "{} of {} committed marks hidden by the filter: {:?}",
+        hidden.len(),
+        marked.len(),
+        &hidden[..hidden.len().min(5)]
+    );
 }
 
 #[test]

@@ -33,7 +33,8 @@ impl Rng {
 /// Text of random length, from alphabets chosen to hit the edges: SQL metacharacters, multi-byte letters, emoji,
 /// control characters (not NUL, which no text value can hold).
 fn text(rng: &mut Rng, max_chars: u64) -> String {
-    const ALPHABETS: &[&str] = &["abcxyz_019", "'\";--/*\\$ %()", "éüßñØ日本語", "🙂🚀𝄞", "\t\n\r\u{1}\u{7f}", "ABCdef"];
+    const ALPHABETS: &[&str] =
+        &["abcxyz_019", "'\";--/*\\$ %()", "éüßñØ日本語", "🙂🚀𝄞", "\t\n\r\u{1}\u{7f}", "ABCdef"];
     let len = match rng.below(10) {
         0 => 0,
         1 => 2040 + rng.below(20), // around the 2 KiB id limit
@@ -105,7 +106,9 @@ fn random_hostile_calls_work_or_fail_cleanly_and_leave_nothing_behind() {
         let ttl_arg = if null_ttl { None } else { Some(ttl.clone()) };
         let (sql, args): (&str, Vec<&(dyn ToSql + Sync)>) = match rng.below(8) {
             0 | 1 => ("SELECT dedup.mark($1, $2::text::interval, $3)::text", vec![&id, &ttl_arg, &inbox]),
-            2 => ("SELECT count(*)::text FROM dedup.mark_many($1, $2::text::interval, $3)", vec![&ids, &ttl_arg, &inbox]),
+            2 => {
+                ("SELECT count(*)::text FROM dedup.mark_many($1, $2::text::interval, $3)", vec![&ids, &ttl_arg, &inbox])
+            }
             3 => ("SELECT dedup.seen($1, $2)::text", vec![&id, &inbox]),
             4 => ("SELECT dedup.forget($1, $2)::text", vec![&id, &inbox]),
             5 => ("SELECT dedup.create_inbox($1, $2::text::interval)::text", vec![&inbox, &ttl_arg]),

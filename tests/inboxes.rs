@@ -25,7 +25,8 @@ fn inboxes_are_independent_namespaces() {
     let names: Vec<String> =
         c.query("SELECT name FROM dedup.inboxes ORDER BY name", &[]).unwrap().iter().map(|r| r.get(0)).collect();
     assert_eq!(names, ["billing", "default", "emails"]);
-    let ttl: String = c.query_one("SELECT default_ttl::text FROM dedup.inboxes WHERE name = 'billing'", &[]).unwrap().get(0);
+    let ttl: String =
+        c.query_one("SELECT default_ttl::text FROM dedup.inboxes WHERE name = 'billing'", &[]).unwrap().get(0);
     assert_eq!(ttl, "01:00:00");
 }
 
@@ -76,7 +77,8 @@ fn pg_dump_and_restore_keep_every_inbox_and_mark() {
     .unwrap();
     dump_and_restore(cluster(), "dump_source", "dump_target");
     let mut r = connect("dump_target");
-    let ttl: String = r.query_one("SELECT default_ttl::text FROM dedup.inboxes WHERE name = 'orders'", &[]).unwrap().get(0);
+    let ttl: String =
+        r.query_one("SELECT default_ttl::text FROM dedup.inboxes WHERE name = 'orders'", &[]).unwrap().get(0);
     assert_eq!(ttl, "2 days");
     for (id, inbox) in [("d1", "default"), ("d2", "default"), ("o1", "orders"), ("o3", "orders")] {
         let again: bool = r.query_one("SELECT dedup.mark($1, NULL, $2)", &[&id, &inbox]).unwrap().get(0);

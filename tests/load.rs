@@ -214,8 +214,9 @@ fn run(cluster: &Cluster, c: &mut Client, seconds: u64, rate: f64) -> (Vec<Tally
     let mut samples = Vec::new();
     let tallies: Vec<Tally> = std::thread::scope(|s| {
         let recent = &recent;
-        let clients: Vec<_> =
-            (0..CLIENTS).map(|n| s.spawn(move || client(cluster, n, rate / CLIENTS as f64, deadline, recent))).collect();
+        let clients: Vec<_> = (0..CLIENTS)
+            .map(|n| s.spawn(move || client(cluster, n, rate / CLIENTS as f64, deadline, recent)))
+            .collect();
         let mut next = start;
         // Until every client has ended, whether it finished or panicked (then the join below reports it).
         while !clients.iter().all(|c| c.is_finished()) {

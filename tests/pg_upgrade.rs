@@ -75,8 +75,7 @@ fn assert_same_state(old: &State, new: &State, mode: &str) {
     for (inbox, before) in &old.marks {
         let after = &new.marks[inbox];
         let missing: Vec<_> = before.keys().filter(|id| !after.contains_key(*id)).take(3).collect();
-        let changed: Vec<_> =
-            before.iter().filter(|(id, t)| after.get(*id).is_some_and(|a| a != *t)).take(3).collect();
+        let changed: Vec<_> = before.iter().filter(|(id, t)| after.get(*id).is_some_and(|a| a != *t)).take(3).collect();
         let extra: Vec<_> = after.keys().filter(|id| !before.contains_key(*id)).take(3).collect();
         assert!(
             missing.is_empty() && changed.is_empty() && extra.is_empty() && before.len() == after.len(),
@@ -140,9 +139,17 @@ fn populate(old: &Cluster) -> State {
 fn pg_upgrade(old: &Cluster, new: &Cluster, options: &[&str]) -> Result<String, String> {
     let (old_data, new_data) = (old.data_dir(), new.data_dir());
     let mut args = vec![
-        "-b", old.bindir().to_str().unwrap(), "-B", new.bindir().to_str().unwrap(),
-        "-d", old_data.to_str().unwrap(), "-D", new_data.to_str().unwrap(),
-        "-U", "postgres", "--no-sync",
+        "-b",
+        old.bindir().to_str().unwrap(),
+        "-B",
+        new.bindir().to_str().unwrap(),
+        "-d",
+        old_data.to_str().unwrap(),
+        "-D",
+        new_data.to_str().unwrap(),
+        "-U",
+        "postgres",
+        "--no-sync",
     ];
     args.extend_from_slice(options);
     let out = new.run("pg_upgrade", &args);

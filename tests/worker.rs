@@ -22,17 +22,22 @@ fn worker_pid(c: &mut Client, db: &str) -> Option<i32> {
          ORDER BY backend_start LIMIT 1",
         &[&db],
     )
+    .unwrap()
+    .map(|r| r.get(0))
+}
+
+fn launcher_pid(c: &mut Client) -> Option<i32> {
+    c.query_opt("SELECT pid FROM pg_stat_activity WHERE backend_type = 'pg_dedup launcher'", &[])
         .unwrap()
         .map(|r| r.get(0))
 }
 
-fn launcher_pid(c: &mut Client) -> Option<i32> {
-    c.query_opt("SELECT pid FROM pg_stat_activity WHERE backend_type = 'pg_dedup launcher'", &[]).unwrap().map(|r| r.get(0))
-}
-
 fn expire_soon(c: &mut Client, prefix: &str, n: i32) {
-    c.execute("SELECT count(*) FROM dedup.mark_many(array(SELECT $1 || g FROM generate_series(1, $2) g), '1 second')", &[&prefix, &n])
-        .unwrap();
+    c.execute(
+        "SELECT count(*) FROM dedup.mark_many(array(SELECT $1 || g FROM generate_series(1, $2) g), '1 second')",
+        &[&prefix, &n],
+    )
+    .unwrap();
 }
 
 #[test]
@@ -41,22 +46,32 @@ fn expired_marks_disappear_within_a_few_cycles_and_live_ones_stay() {
     let mut c = cluster.fresh_db("purge_basic");
     c.batch_execute("SELECT dedup.create_inbox('other')").unwrap();
     expire_soon(&mut c, "e", 1000);
-    c.batch_execute("SELECT dedup.mark_many(array(SELECT 'o' || g FROM generate_series(1, 300) g), '1 second', 'other')").unwrap();
-    c.batch_execute("SELECT dedup.mark_many(array(SELECT 'live' || g FROM generate_series(1, 50) g), '1 hour')").unwrap();
+    c.batch_execute(
+        "SELECT dedup.mark_many(array(SELECT 'o' || g FROM generate_series(1, 300) g), '1 second', 'other')",
+    )
+    .unwrap();
+    c.batch_execute("SELECT dedup.mark_many(array(SELECT 'live' || g FROM generate_series(1, 50) g), '1 hour')")
+        .unwrap();
     eventually("the expired marks are purged", || {
         count(&mut c, "dedup.inbox_default") == 50 && count(&mut c, "dedup.inbox_other") == 0
     });
     let live: i64 = c.query_one("SELECT count(*) FROM dedup.inbox_default WHERE id LIKE 'live%'", &[]).unwrap().get(0);
     assert_eq!(live, 50, "live marks must stay");
     let row = c
-        .query_one("SELECT sum(purged)::bigint, min(purge_cycles), bool_and(last_purge_start IS NOT NULL) FROM dedup.stats", &[])
+        .query_one(
+            "SELECT sum(purged)::bigint, min(purge_cycles), bool_and(last_purge_start IS NOT NULL) FROM dedup.stats",
+            &[],
+        )
         .unwrap();
     assert_eq!(row.get::<_, i64>(0), 1300, "dedup.stats counts every purged mark");
     assert!(row.get::<_, i64>(1) >= 1 && row.get::<_, bool>(2));
     // Autovacuum knows of the dead rows only through the table statistics the worker reports.
     eventually("the purged rows reach the table statistics", || {
         let deleted: i64 = c
-            .query_one("SELECT coalesce(sum(n_tup_del), 0)::bigint FROM pg_stat_user_tables WHERE schemaname = 'dedup'", &[])
+            .query_one(
+                "SELECT coalesce(sum(n_tup_del), 0)::bigint FROM pg_stat_user_tables WHERE schemaname = 'dedup'",
+                &[],
+            )
             .unwrap()
             .get(0);
         deleted >= 1300 // a quick attempt rolled back would count its deletes too
@@ -75,11 +90,16 @@ fn a_mark_renewing_an_expired_id_wins_against_a_purge() {
     purger.batch_execute("BEGIN").unwrap();
     let purged: i64 = purger.query_one("SELECT dedup.purge(NULL, 1)", &[]).unwrap().get(0);
     assert_eq!(purged, 1);
-    let gone: String = purger.query_one("SELECT i FROM unnest(array['x','y']) i EXCEPT SELECT id FROM dedup.inbox_default", &[]).unwrap().get(0);
+    let gone: String = purger
+        .query_one("SELECT i FROM unnest(array['x','y']) i EXCEPT SELECT id FROM dedup.inbox_default", &[])
+        .unwrap()
+        .get(0);
     let mut marker = connect("purge_race");
     let pid = backend_pid(&mut marker);
     let renewing = gone.clone();
-    let waiter = thread::spawn(move || marker.query_one("SELECT dedup.mark($1, '1 hour')", &[&renewing]).map(|r| r.get::<_, bool>(0)));
+    let waiter = thread::spawn(move || {
+        marker.query_one("SELECT dedup.mark($1, '1 hour')", &[&renewing]).map(|r| r.get::<_, bool>(0))
+    });
     wait_until_blocked(&mut setup, pid);
     purger.batch_execute("COMMIT").unwrap();
     assert!(waiter.join().unwrap().unwrap(), "the expired id is new again");
@@ -145,7 +165,9 @@ fn a_worker_stops_when_its_database_leaves_dedup_database() {
     let cluster = purging("purge_leave_a, purge_leave_b", &[]);
     let mut a = cluster.fresh_db("purge_leave_a");
     let mut b = cluster.fresh_db("purge_leave_b");
-    eventually("both workers run", || worker_pid(&mut a, "purge_leave_a").is_some() && worker_pid(&mut a, "purge_leave_b").is_some());
+    eventually("both workers run", || {
+        worker_pid(&mut a, "purge_leave_a").is_some() && worker_pid(&mut a, "purge_leave_b").is_some()
+    });
     // The worker of b was started by a launcher that is now gone: the new launcher did not start it.
     let launcher = launcher_pid(&mut a).expect("the launcher runs");
     a.execute("SELECT pg_terminate_backend($1)", &[&launcher]).unwrap();
@@ -168,7 +190,10 @@ fn a_database_listed_twice_gets_one_worker() {
     eventually("the worker starts", || worker_pid(&mut c, "purge_twice").is_some());
     thread::sleep(Duration::from_secs(3));
     let workers: i64 = c
-        .query_one("SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'pg_dedup worker' AND datname = 'purge_twice'", &[])
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'pg_dedup worker' AND datname = 'purge_twice'",
+            &[],
+        )
         .unwrap()
         .get(0);
     assert_eq!(workers, 1);
@@ -199,7 +224,9 @@ fn missing_databases_and_extensions_are_waited_for_without_a_crash_loop() {
     let mut admin = cluster.connect("postgres");
     admin.batch_execute("CREATE DATABASE purge_noext").unwrap();
     let launcher = launcher_pid(&mut admin).expect("the launcher runs");
-    eventually("the worker of the database without the extension runs", || worker_pid(&mut admin, "purge_noext").is_some());
+    eventually("the worker of the database without the extension runs", || {
+        worker_pid(&mut admin, "purge_noext").is_some()
+    });
     let waiting = worker_pid(&mut admin, "purge_noext");
     thread::sleep(Duration::from_secs(3));
     assert_eq!(launcher_pid(&mut admin), Some(launcher), "the launcher must not restart");
@@ -224,7 +251,9 @@ fn an_error_in_a_batch_is_logged_and_the_next_cycle_goes_on() {
          CREATE TRIGGER refuse BEFORE DELETE ON dedup.inbox_default FOR EACH ROW EXECUTE FUNCTION refuse();",
     )
     .unwrap();
-    let cycles = |c: &mut Client| c.query_one("SELECT coalesce(purge_cycles, 0) FROM dedup.stats", &[]).unwrap().get::<_, i64>(0);
+    let cycles = |c: &mut Client| {
+        c.query_one("SELECT coalesce(purge_cycles, 0) FROM dedup.stats", &[]).unwrap().get::<_, i64>(0)
+    };
     expire_soon(&mut c, "err", 20);
     let pid = {
         let mut pid = None;
@@ -266,7 +295,9 @@ fn an_inbox_owner_cannot_borrow_the_workers_superuser_rights() {
              SELECT dedup.mark_many(ARRAY['a', 'b'], '1 second', 'mine');",
         )
         .unwrap();
-    let cycles = |c: &mut Client| c.query_one("SELECT coalesce(purge_cycles, 0) FROM dedup.stats LIMIT 1", &[]).unwrap().get::<_, i64>(0);
+    let cycles = |c: &mut Client| {
+        c.query_one("SELECT coalesce(purge_cycles, 0) FROM dedup.stats LIMIT 1", &[]).unwrap().get::<_, i64>(0)
+    };
     wait_until_expired(&mut admin, "dedup.inbox_mine", &["a", "b"]);
     let before = cycles(&mut admin);
     eventually("the worker tried to purge the owner's inbox", || cycles(&mut admin) >= before + 2);

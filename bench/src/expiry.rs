@@ -31,7 +31,9 @@ fn worker_purge_rate(c: &mut Client, rows: i64) -> f64 {
         std::thread::sleep(Duration::from_millis(20));
     }
     loop {
-        let row = c.query_one("SELECT max(purge_cycles), max(last_purge_ms), max(last_purge_rows) FROM dedup.stats", &[]).unwrap();
+        let row = c
+            .query_one("SELECT max(purge_cycles), max(last_purge_ms), max(last_purge_rows) FROM dedup.stats", &[])
+            .unwrap();
         let (cycles, ms, purged): (i64, f64, i64) = (row.get(0), row.get(1), row.get(2));
         if cycles > cycles_before && purged >= rows {
             set_worker_purge(c, false, 10);
@@ -78,16 +80,13 @@ pub fn scenarios(c: &mut Client, scale: &Scale) -> Vec<Row> {
         let inbox = ["purged", "unindexed"][variant];
         timed(
             c,
-            &format!("SELECT count(*) FROM generate_series(1, {m}) g WHERE dedup.mark('i{round}-' || g, NULL, '{inbox}')"),
+            &format!(
+                "SELECT count(*) FROM generate_series(1, {m}) g WHERE dedup.mark('i{round}-' || g, NULL, '{inbox}')"
+            ),
             m,
         )
     });
-    rows.push(Row::new(
-        "mark() cost of the expires_at btree",
-        ("with btree", indexed),
-        ("without", bare),
-        "marks/s",
-    ));
+    rows.push(Row::new("mark() cost of the expires_at btree", ("with btree", indexed), ("without", bare), "marks/s"));
 
     // Foreground marks while the worker purges a backlog (its default 10 ms pause between batches), against the
     // same marks with nothing else running.
@@ -135,7 +134,8 @@ pub fn scenarios(c: &mut Client, scale: &Scale) -> Vec<Row> {
         c.batch_execute("VACUUM dedup.inbox_steady").unwrap();
         if tick == 24 {
             after_five = size(c, "dedup.inbox_steady");
-            c.batch_execute("INSERT INTO dedup.inbox_fresh SELECT id, expires_at FROM dedup.inbox_steady ORDER BY id").unwrap();
+            c.batch_execute("INSERT INTO dedup.inbox_fresh SELECT id, expires_at FROM dedup.inbox_steady ORDER BY id")
+                .unwrap();
             rows.push(Row::new(
                 "inbox size after 5 TTL cycles vs freshly loaded",
                 ("steady state MB", after_five / 1e6),

@@ -10,7 +10,8 @@ pub fn scenarios(c: &mut Client, scale: &Scale) -> Vec<Row> {
     ))
     .unwrap();
     // Wait for the worker to load the default inbox, so the filter answers.
-    while !c.query_one("SELECT filter_trusted FROM dedup.stats WHERE inbox = 'default'", &[]).unwrap().get::<_, bool>(0) {
+    while !c.query_one("SELECT filter_trusted FROM dedup.stats WHERE inbox = 'default'", &[]).unwrap().get::<_, bool>(0)
+    {
         std::thread::sleep(std::time::Duration::from_millis(100));
     }
     c.batch_execute("VACUUM ANALYZE dedup.inbox_default").unwrap();

@@ -48,7 +48,13 @@ pub fn scenarios(scale: &Scale) -> Vec<Row> {
         let counts = [1, 2].map(|k| {
             run += 1;
             // Every run marks ids no run marked before, or draws from the preloaded ones.
-            let id = |i: i64| if duplicates { format!("dup-{}", 1 + (i * 7919) % PRELOADED) } else { format!("new-{run}-{i}") };
+            let id = |i: i64| {
+                if duplicates {
+                    format!("dup-{}", 1 + (i * 7919) % PRELOADED)
+                } else {
+                    format!("new-{run}-{i}")
+                }
+            };
             let mut script = format!("SELECT dedup.bloom_rebuild()\nPREPARE call(text) AS {statement}\n");
             for i in 0..k * n {
                 writeln!(script, "EXECUTE call('{}')", id(i)).unwrap();
@@ -69,7 +75,12 @@ pub fn scenarios(scale: &Scale) -> Vec<Row> {
             ("raw insert", raw - floor),
             unit,
         ),
-        Row::new("server instructions per call, duplicate (callgrind)", ("mark", mark_dup), ("raw insert", raw_dup), unit),
+        Row::new(
+            "server instructions per call, duplicate (callgrind)",
+            ("mark", mark_dup),
+            ("raw insert", raw_dup),
+            unit,
+        ),
     ]
 }
 
@@ -99,7 +110,8 @@ fn single_user(cluster: &Cluster, wrapper: Option<&Path>, script: &str) -> u64 {
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success() && !stderr.contains("ERROR:"), "postgres --single failed:\n{stdout}\n{stderr}");
-    let collected = stderr.lines().find_map(|l| l.split("Collected :").nth(1)).map(|n| n.trim().parse().expect("a count"));
+    let collected =
+        stderr.lines().find_map(|l| l.split("Collected :").nth(1)).map(|n| n.trim().parse().expect("a count"));
     if wrapper.is_some() {
         collected.expect("callgrind reports the instructions it collected")
     } else {

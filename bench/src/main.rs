@@ -88,7 +88,16 @@ pub struct Row {
 
 impl Row {
     pub fn new(scenario: &str, (variant_a, a): (&str, f64), (variant_b, b): (&str, f64), unit: &'static str) -> Row {
-        Row { scenario: scenario.into(), variant_a: variant_a.into(), a, variant_b: variant_b.into(), b, unit, goal: None, wal: None }
+        Row {
+            scenario: scenario.into(),
+            variant_a: variant_a.into(),
+            a,
+            variant_b: variant_b.into(),
+            b,
+            unit,
+            goal: None,
+            wal: None,
+        }
     }
 
     pub fn goal(self, goal: Goal) -> Row {

@@ -46,7 +46,7 @@ pub struct Filter<'a> {
 impl<'a> Filter<'a> {
     /// `words.len()` must be a non-zero multiple of `WORDS_PER_BLOCK`.
     pub fn new(words: &'a [AtomicU32]) -> Self {
-        assert!(!words.is_empty() && words.len() % WORDS_PER_BLOCK == 0, "a filter is made of whole blocks");
+        assert!(!words.is_empty() && words.len().is_multiple_of(WORDS_PER_BLOCK), "a filter is made of whole blocks");
         Filter { words }
     }
 
@@ -215,7 +215,8 @@ mod tests {
                 filter.insert(hash_key(7, format!("present-{i}").as_bytes()));
             }
             let trials = 200_000;
-            let hits = (0..trials).filter(|i| filter.may_contain(hash_key(7, format!("absent-{i}").as_bytes()))).count();
+            let hits =
+                (0..trials).filter(|i| filter.may_contain(hash_key(7, format!("absent-{i}").as_bytes()))).count();
             let measured = hits as f64 / trials as f64;
             assert!(measured <= 1.2 * target, "target {target}: measured {measured}");
             let (_, estimated) = filter.fill_and_fpr(usize::MAX);

@@ -122,10 +122,7 @@ impl Cluster {
     /// sockets, logs and scripts into its working directory, which must belong to that user.
     pub fn run(&self, program: &str, args: &[&str]) -> Output {
         let program = self.bindir.join(program);
-        self.as_owner(&program)
-            .args(args)
-            .output()
-            .unwrap_or_else(|e| panic!("run {}: {e}", program.display()))
+        self.as_owner(&program).args(args).output().unwrap_or_else(|e| panic!("run {}: {e}", program.display()))
     }
 
     /// A command running `program` (any path, e.g. valgrind) as the server's owner, in the cluster's directory.
@@ -149,7 +146,19 @@ impl Cluster {
         check(
             standby.run(
                 "pg_basebackup",
-                &["-D", data.to_str().unwrap(), "-h", self.dir.to_str().unwrap(), "-U", "postgres", "-R", "-X", "stream", "-c", "fast"],
+                &[
+                    "-D",
+                    data.to_str().unwrap(),
+                    "-h",
+                    self.dir.to_str().unwrap(),
+                    "-U",
+                    "postgres",
+                    "-R",
+                    "-X",
+                    "stream",
+                    "-c",
+                    "fast",
+                ],
             ),
             "pg_basebackup",
         );
@@ -257,10 +266,7 @@ impl Cluster {
 
     /// Promotes a standby to primary and waits until it accepts writes.
     pub fn promote(&self) {
-        check(
-            self.run("pg_ctl", &["-D", self.data_dir().to_str().unwrap(), "-w", "promote"]),
-            "pg_ctl promote",
-        );
+        check(self.run("pg_ctl", &["-D", self.data_dir().to_str().unwrap(), "-w", "promote"]), "pg_ctl promote");
     }
 
     /// Kills one server process with SIGKILL, as a crash would; the postmaster then restarts every backend and
@@ -290,10 +296,7 @@ impl Cluster {
     /// Stops the server (fast shutdown).
     pub fn stop(&self) {
         if self.running.swap(false, Ordering::SeqCst) {
-            let _ = self.run(
-                "pg_ctl",
-                &["-D", self.data_dir().to_str().unwrap(), "-m", "fast", "-w", "stop"],
-            );
+            let _ = self.run("pg_ctl", &["-D", self.data_dir().to_str().unwrap(), "-m", "fast", "-w", "stop"]);
         }
     }
 

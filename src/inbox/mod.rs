@@ -129,7 +129,8 @@ impl Inbox {
 /// autovacuum do: the background worker is a superuser, and a trigger or rule the owner put on the table must not
 /// run with superuser rights.
 pub fn as_owner<R>(relid: pg_sys::Oid, f: impl FnOnce() -> R) -> R {
-    let owner = ports::relation_owner(relid).unwrap_or_else(|| internal("finding an inbox table's owner", "no such table"));
+    let owner =
+        ports::relation_owner(relid).unwrap_or_else(|| internal("finding an inbox table's owner", "no such table"));
     let (mut user, mut context) = (pg_sys::InvalidOid, 0);
     // SAFETY: plain reads and writes of the backend's current user; restored below, or by the transaction abort.
     unsafe {

@@ -42,7 +42,8 @@ fn dedup_relation_oid(relname: &str) -> pg_sys::Oid {
 fn check_registry_readable() {
     let relid = dedup_relation_oid("inbox_registry");
     // SAFETY: an ACL check of an existing relation (the registry belongs to the extension) for the current user.
-    let readable = unsafe { pg_sys::pg_class_aclcheck(relid, pg_sys::GetUserId(), pg_sys::ACL_SELECT as pg_sys::AclMode) };
+    let readable =
+        unsafe { pg_sys::pg_class_aclcheck(relid, pg_sys::GetUserId(), pg_sys::ACL_SELECT as pg_sys::AclMode) };
     if readable != pg_sys::AclResult::ACLCHECK_OK {
         raise(
             PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,

@@ -100,8 +100,13 @@ struct Replayed {
 fn main() {
     let o = parse_options();
     let through = if o.rabbitmq { " through RabbitMQ" } else { "" };
-    println!("pg_dedup demo{through}: {} payment events, {} consumers, {:.0}% producer retries, {:.0}% consumer crashes",
-        o.events, o.consumers, o.duplicate_rate * 100.0, o.crash_rate * 100.0);
+    println!(
+        "pg_dedup demo{through}: {} payment events, {} consumers, {:.0}% producer retries, {:.0}% consumer crashes",
+        o.events,
+        o.consumers,
+        o.duplicate_rate * 100.0,
+        o.crash_rate * 100.0
+    );
     let started = Instant::now();
     // RabbitMQ boots (in a few seconds) while Postgres starts. The node is stopped and removed when dropped: at
     // the end, or when anything below fails.
@@ -114,11 +119,19 @@ fn main() {
         let postgres_took = started.elapsed();
         (cluster, admin, postgres_took, node.map(|n| n.join().expect("start RabbitMQ")))
     });
-    println!("  throwaway PostgreSQL {} started in {:.1}s (pg_dedup installed, inbox 'payments')",
-        cluster.major, postgres_took.as_secs_f64());
+    println!(
+        "  throwaway PostgreSQL {} started in {:.1}s (pg_dedup installed, inbox 'payments')",
+        cluster.major,
+        postgres_took.as_secs_f64()
+    );
     let node = node.map(|(node, took)| {
-        println!("  throwaway RabbitMQ node started in {:.1}s (127.0.0.1:{}; durable queue '{}', prefetch {})",
-            took.as_secs_f64(), node.port, amqp::QUEUE, amqp::PREFETCH);
+        println!(
+            "  throwaway RabbitMQ node started in {:.1}s (127.0.0.1:{}; durable queue '{}', prefetch {})",
+            took.as_secs_f64(),
+            node.port,
+            amqp::QUEUE,
+            amqp::PREFETCH
+        );
         node
     });
 
@@ -170,8 +183,15 @@ fn main() {
     if ok {
         println!("  OK: ledger total {} equals the exactly-once total; all {ACCOUNTS} balances match.", ledger.total);
     } else {
-        println!("  FAILED: ledger total {}, exactly-once total {}, {} balances differ, {} events applied of {}, {} left",
-            ledger.total, ledger.expected_total, ledger.mismatched.len(), load(&tally.applied), o.events, left);
+        println!(
+            "  FAILED: ledger total {}, exactly-once total {}, {} balances differ, {} events applied of {}, {} left",
+            ledger.total,
+            ledger.expected_total,
+            ledger.mismatched.len(),
+            load(&tally.applied),
+            o.events,
+            left
+        );
     }
     drop(admin);
     let rabbitmq = if node.is_some() { " and RabbitMQ node" } else { "" };
@@ -190,8 +210,13 @@ fn in_memory(o: &Options, cluster: &Cluster, stream: Vec<Event>, tally: &Tally) 
     let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
     let line = || {
         let queued = broker.queue.lock().unwrap().len() as u64;
-        progress_line(&[("delivered", load(&broker.delivered), 6), ("duplicates dropped", load(&tally.duplicates), 5),
-            ("applied", load(&tally.applied), 6), ("crashes", load(&tally.crashes), 4), ("queued", queued, 6)])
+        progress_line(&[
+            ("delivered", load(&broker.delivered), 6),
+            ("duplicates dropped", load(&tally.duplicates), 5),
+            ("applied", load(&tally.applied), 6),
+            ("crashes", load(&tally.crashes), 4),
+            ("queued", queued, 6),
+        ])
     };
     with_progress(line, || {
         std::thread::scope(|s| {
@@ -225,9 +250,13 @@ fn through_rabbitmq(o: &Options, cluster: &Cluster, node: &RabbitMq, stream: &[E
     let replay = Instant::now();
     let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
     let line = || {
-        progress_line(&[("delivered", load(&traffic.delivered), 6), ("redelivered", load(&traffic.redelivered), 5),
-            ("duplicates dropped", load(&tally.duplicates), 5), ("applied", load(&tally.applied), 6),
-            ("crashes", load(&tally.crashes), 4)])
+        progress_line(&[
+            ("delivered", load(&traffic.delivered), 6),
+            ("redelivered", load(&traffic.redelivered), 5),
+            ("duplicates dropped", load(&tally.duplicates), 5),
+            ("applied", load(&tally.applied), 6),
+            ("crashes", load(&tally.crashes), 4),
+        ])
     };
     let left = with_progress(line, || run.run(&traffic, tally));
     Replayed {
