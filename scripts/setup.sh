@@ -10,24 +10,62 @@
 #     Debian starts, where systemd runs, is left alone: it does not get in their way);
 #   - cargo-pgrx 0.18.1 (0.19 needs a newer rustc than this machine has);
 #   - PostgreSQL 13 and 18 built from Debian *source* packages into $PG_DEDUP_CACHE (no Debian 12 binaries exist);
+#   - Citus into that PostgreSQL 18, when its source tarball is there (CITUS_SOURCE, by default
+#     ../shared/vendor/citus-14.0.1.tar.gz beside the checkout): the scale-out tests need it and skip without it;
 #   - `cargo pgrx init` pointed at the three pg_configs.
 # The cache lives outside the checkout and outside /root, because the unprivileged server user must read it.
-set -euo pipefail
+#
+# Every step says what failed and how to go on when it fails, and a build is marked finished only once it has
+# installed completely: an interrupted or failed run is simply run again and starts that build afresh.
+set -Eeuo pipefail
 
+here=$(cd "$(dirname "$0")/.." && pwd)
 CACHE=${PG_DEDUP_CACHE:-/var/cache/pg_dedup}
 PGRX_VERSION=0.18.1
 PG15_CONFIG=/usr/lib/postgresql/15/bin/pg_config
+CITUS_SOURCE=${CITUS_SOURCE:-$here/../shared/vendor/citus-14.0.1.tar.gz}
 # Majors built from source: Debian suite that still carries the source package.
 declare -A SOURCE_SUITE=([13]=bullseye [18]=sid)
 
 log() { printf '[setup] %s\n' "$*" >&2; }
 as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 
+# The step under way, named in the message if it fails.
+step=starting
+on_failure() {
+  [ "$BASH_SUBSHELL" -eq 0 ] || return 0 # said once, by the script itself
+  trap - ERR
+  log "FAILED while $step."
+  log "Nothing half-done is kept as finished: fix what the output above says, then run scripts/setup.sh (or"
+  log "make setup) again; it picks up from this step."
+}
+trap on_failure ERR
+
+# Runs a long build step with its output in $2 (a log file); on failure shows the end of the log.
+logged() {
+  local what=$1 logfile=$2
+  shift 2
+  if ! "$@" >>"$logfile" 2>&1; then
+    log "$what failed; the last lines of $logfile:"
+    tail -n 40 "$logfile" >&2
+    return 1
+  fi
+}
+
+# A build of another project must not see the make that runs us (make demo / make test): PostgreSQL's makefiles
+# generate their headers first only when they are the top-level make (MAKELEVEL 0), and an inherited MAKELEVEL
+# of 1 let `make -j` compile files that include headers not generated yet (utils/errcodes.h). The jobserver of
+# our make (MAKEFLAGS) is not theirs to use either.
+fresh_make_env() { env -u MAKELEVEL -u MAKEFLAGS -u MFLAGS -u MAKEOVERRIDES "$@"; }
+
 apt_packages=(postgresql-15 postgresql-server-dev-15 libclang-dev clang sudo build-essential pkg-config
   flex bison libreadline-dev zlib1g-dev libssl-dev bzip2 ca-certificates redis-server redis-tools python3-psycopg valgrind
-  rabbitmq-server)
+  rabbitmq-server
+  # Citus' build
+  liblz4-dev libzstd-dev libkrb5-dev libcurl4-openssl-dev)
 
 install_apt_packages() {
+  step="installing Debian packages"
   local missing=()
   for p in "${apt_packages[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
@@ -39,12 +77,14 @@ install_apt_packages() {
 }
 
 install_cargo_pgrx() {
+  step="installing cargo-pgrx $PGRX_VERSION (cargo install)"
   if cargo pgrx --version 2>/dev/null | grep -q " $PGRX_VERSION\$"; then return; fi
-  log "installing cargo-pgrx $PGRX_VERSION (about 15 minutes on 2 cores, once)"
+  log "installing cargo-pgrx $PGRX_VERSION (a few minutes on 2 cores, once)"
   cargo install cargo-pgrx --version "$PGRX_VERSION" --locked --force
 }
 
 prepare_cache() {
+  step="preparing the cache directory $CACHE"
   if [ ! -d "$CACHE" ] || [ ! -w "$CACHE" ]; then
     as_root mkdir -p "$CACHE"
     as_root chown "$(id -u):$(id -g)" "$CACHE"
@@ -52,13 +92,15 @@ prepare_cache() {
   chmod 755 "$CACHE"
 }
 
-# Builds PostgreSQL $1 from the upstream tarball inside Debian's source package, into $CACHE/pg$1.
+# Builds PostgreSQL $1 from the upstream tarball inside Debian's source package, into $CACHE/pg$1. The marker
+# .built is written last, after `make install`: until then the prefix is thrown away and rebuilt on the next run.
 build_postgres() {
   local major=$1 prefix="$CACHE/pg$1" work="$CACHE/src-pg$1"
   [ -f "$prefix/.built" ] && return
-  log "building PostgreSQL $major from source into $prefix (a few minutes, once)"
+  log "building PostgreSQL $major from source into $prefix (a few minutes, once; log in $work/build.log)"
   rm -rf "$work" "$prefix"
   mkdir -p "$work/lists/partial"
+  step="downloading the Debian source package of PostgreSQL $major"
   local uri
   uri=$(grep -h '^URIs:' /etc/apt/sources.list.d/*.sources 2>/dev/null | head -1 | awk '{print $2}')
   uri=${uri:-http://deb.debian.org/debian}
@@ -71,14 +113,45 @@ build_postgres() {
   tar -C "$work" -xjf "$work"/postgresql-"$major"_*.orig.tar.bz2
   local srcdir
   srcdir=$(find "$work" -maxdepth 1 -type d -name "postgresql-$major*" | head -1)
-  (cd "$srcdir" && ./configure --prefix="$prefix" --without-icu --with-openssl --enable-debug >/dev/null \
-     && make -s -j"$(nproc)" >/dev/null && make -s install >/dev/null)
+  step="building PostgreSQL $major (configure, make, make install; log: $work/build.log)"
+  (cd "$srcdir" && logged "configure of PostgreSQL $major" "$work/build.log" \
+      fresh_make_env ./configure --prefix="$prefix" --without-icu --with-openssl --enable-debug)
+  (cd "$srcdir" && logged "make of PostgreSQL $major" "$work/build.log" fresh_make_env make -j"$(nproc)")
+  (cd "$srcdir" && logged "make install of PostgreSQL $major" "$work/build.log" fresh_make_env make install)
   chmod -R a+rX "$prefix"
   touch "$prefix/.built"
   rm -rf "$work"
 }
 
+# Builds Citus from $CITUS_SOURCE into PostgreSQL 18 (the scale-out tests' cluster), marked finished like the
+# PostgreSQL builds. Without the tarball there is nothing to do: those tests say they were skipped, and how to
+# get Citus.
+build_citus() {
+  local prefix="$CACHE/pg18" work="$CACHE/src-citus"
+  if [ ! -f "$CITUS_SOURCE" ]; then
+    log "no Citus source at $CITUS_SOURCE: the Citus tests will be skipped (set CITUS_SOURCE to a Citus 14 tarball)"
+    return
+  fi
+  local marker="$prefix/.citus-$(sha256sum "$CITUS_SOURCE" | cut -c1-16)"
+  [ -f "$marker" ] && return
+  log "building Citus from $CITUS_SOURCE into $prefix (about a minute, once; log in $work/build.log)"
+  step="building Citus from $CITUS_SOURCE (configure, make, make install; log: $work/build.log)"
+  rm -rf "$work" "$prefix"/.citus-*
+  mkdir -p "$work"
+  tar -C "$work" -xzf "$CITUS_SOURCE"
+  local srcdir
+  srcdir=$(find "$work" -mindepth 1 -maxdepth 1 -type d | head -1)
+  (cd "$srcdir" && logged "configure of Citus" "$work/build.log" \
+      fresh_make_env ./configure PG_CONFIG="$prefix/bin/pg_config" --without-libcurl)
+  (cd "$srcdir" && logged "make of Citus" "$work/build.log" fresh_make_env make -j"$(nproc)")
+  (cd "$srcdir" && logged "make install of Citus" "$work/build.log" fresh_make_env make install)
+  chmod -R a+rX "$prefix"
+  touch "$marker"
+  rm -rf "$work"
+}
+
 pgrx_init() {
+  step="running cargo pgrx init"
   local cfg="${PGRX_HOME:-$HOME/.pgrx}/config.toml" want=(13 15 18) ok=1
   for v in "${want[@]}"; do grep -q "^pg$v = \"$(pg_config_for "$v")\"" "$cfg" 2>/dev/null || ok=0; done
   [ $ok -eq 1 ] && return
@@ -92,5 +165,7 @@ install_apt_packages
 install_cargo_pgrx
 prepare_cache
 for v in 13 18; do build_postgres "$v"; done
+build_citus
 pgrx_init
+step="finishing"
 log "ready (cache: $CACHE)"
