@@ -23,6 +23,7 @@ export PATH := $(HOME)/.cargo/bin:$(PATH)
 test-long: export STORM_MARKS = 200000
 test-long: export LOAD_SECONDS = 1800
 test-long: TESTS = --test storm --test load
+test-long: PGRX_TESTS = 0
 test-long: test
 
 .PHONY: setup demo test test-long install bench package package-test lint
@@ -41,13 +42,23 @@ demo: setup
 	@scripts/pg.sh install_extension $(DEMO_PG)
 	@PG_CONFIG=$$(scripts/pg.sh pg_config_for $(DEMO_PG)) cargo run -q -p pg_dedup_harness --bin demo -- $(DEMO_ARGS)
 
+# For each major: `cargo pgrx test` (the #[pg_test]s beside the code, in a server pgrx starts), then the integration
+# tests against real servers (tests/). PGRX_TESTS=0 skips the former, INTEGRATION_TESTS=0 the latter.
+export PGRX_TESTS ?= 1
+export INTEGRATION_TESTS ?= 1
 test: setup
 	@echo "== the Bloom filter itself (property tests, no server)"
 	@cargo test -q -p pg_dedup_bloom
 	@for v in $(PG_VERSIONS); do \
-	  echo "== PostgreSQL $$v"; \
-	  scripts/pg.sh install_extension $$v || exit 1; \
-	  PG_CONFIG=$$(scripts/pg.sh pg_config_for $$v) cargo test -q -p pg_dedup_tests $(TESTS) -- --test-threads=4 --nocapture || exit 1; \
+	  if [ "$(PGRX_TESTS)" = 1 ]; then \
+	    echo "== PostgreSQL $$v: cargo pgrx test"; \
+	    scripts/pg.sh pgrx_test $$v || exit 1; \
+	  fi; \
+	  if [ "$(INTEGRATION_TESTS)" = 1 ]; then \
+	    echo "== PostgreSQL $$v: integration tests"; \
+	    scripts/pg.sh install_extension $$v || exit 1; \
+	    PG_CONFIG=$$(scripts/pg.sh pg_config_for $$v) cargo test -q -p pg_dedup_tests $(TESTS) -- --test-threads=4 --nocapture || exit 1; \
+	  fi; \
 	done
 
 # Benchmarks (optimised build of the extension) against hand-written SQL, pg_test_fsync and Redis; BENCH_QUICK=1 for

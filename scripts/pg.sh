@@ -53,4 +53,20 @@ install_extension() {
   done < <(find "$stage" -type f)
 }
 
+# `cargo pgrx test` for major $1: the #[pg_test]s, one at a time (they share the server's filter), in a server pgrx
+# starts. It installs a test build of the extension into that PostgreSQL: install_extension puts the real one back.
+# As root, the server runs as `postgres` in a data directory of its own.
+pgrx_test() {
+  local major=$1 data="" args=()
+  if [ "$(id -u)" -eq 0 ]; then
+    data=$(mktemp -d /tmp/pg_dedup_pgrx.XXXXXX)
+    chown postgres: "$data"
+    args=(--runas postgres --pgdata "$data")
+  fi
+  local status=0
+  RUST_TEST_THREADS=1 cargo pgrx test "pg$major" ${args[@]+"${args[@]}"} || status=$?
+  [ -z "$data" ] || rm -rf "$data"
+  return $status
+}
+
 "$@"

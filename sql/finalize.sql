@@ -12,9 +12,20 @@ SELECT i.*, w.*, f.*
  CROSS JOIN dedup.worker_stats() AS w
  CROSS JOIN dedup.filter_stats() AS f;
 
+-- Any DDL that may change an inbox table's filter trigger (disable it, put it in origin mode, drop or re-create it)
+-- makes the filter stop trusting that inbox at once, inside the transaction that changed it; the background worker
+-- repairs the trigger and reloads the inbox (src/trigger.rs). Event triggers run whoever issues the command, and
+-- need no privilege on the function.
+CREATE EVENT TRIGGER dedup_watch_ddl ON ddl_command_end
+  WHEN TAG IN ('ALTER TABLE', 'CREATE TRIGGER', 'DROP TRIGGER', 'ALTER TRIGGER')
+  EXECUTE FUNCTION dedup.watch_ddl();
+-- Also under session_replication_role = replica (logical replication's apply, some restores).
+ALTER EVENT TRIGGER dedup_watch_ddl ENABLE ALWAYS;
+
 -- Nothing is granted to PUBLIC: a role can use pg_dedup only once an administrator grants it (see README,
--- "Privileges"). Functions are EXECUTE-able by PUBLIC by default in Postgres, so take that back. (Firing the trigger
--- needs no privilege; creating one, in dedup.create_inbox(), needs EXECUTE on its function.)
+-- "Privileges"). Functions are EXECUTE-able by PUBLIC by default in Postgres, so take that back. (Firing a trigger
+-- needs no privilege.) Schema dedup and its tables are written only by the extension's owner: create_inbox() and
+-- drop_inbox() act as that owner for callers they let in (see docs/privileges.md).
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA dedup FROM PUBLIC;
 REVOKE ALL ON ALL TABLES IN SCHEMA dedup FROM PUBLIC;
 REVOKE ALL ON SCHEMA dedup FROM PUBLIC;

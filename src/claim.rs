@@ -44,7 +44,7 @@ fn trusted_filter(inbox: &Inbox) -> Option<Trusted> {
                 .report(PgLogLevel::NOTICE);
         }
     }
-    Trusted::for_inbox(inbox.ns)
+    inbox.filter()
 }
 
 /// What this installation leaves out for the current database, and how to get it.
@@ -79,14 +79,13 @@ fn degraded() -> Option<(String, String)> {
     ))
 }
 
-/// The ids the filter cannot rule out ("maybe"), or None when there is no filter to ask.
-fn suspects<'a>(inbox: &Inbox, ids: &'a [String]) -> Option<HashSet<&'a str>> {
-    let filter = trusted_filter(inbox)?;
+/// The ids the filter cannot rule out ("maybe").
+fn suspects<'a>(filter: &Trusted, inbox: &Inbox, ids: &[&'a str]) -> HashSet<&'a str> {
     let maybe = filter.maybe(ids);
-    let suspects: HashSet<&str> = ids.iter().zip(maybe).filter(|(_, m)| *m).map(|(id, _)| id.as_str()).collect();
+    let suspects: HashSet<&str> = ids.iter().zip(maybe).filter(|(_, m)| *m).map(|(id, _)| *id).collect();
     inbox.count(Counter::Lookups, ids.len() as u64);
     inbox.count(Counter::CertainlyNew, (ids.len() - suspects.len()) as u64);
-    Some(suspects)
+    suspects
 }
 
 /// When a mark made now expires: `ttl` (already validated) or the inbox's default (validated when created).
@@ -94,16 +93,41 @@ fn window_end(inbox: &Inbox, ttl: Option<Interval>) -> TimestampWithTimeZone {
     expiry(statement_now(), ttl.unwrap_or(inbox.default_ttl))
 }
 
+/// Distinct ids claimed together: past this, a call works through its ids in chunks, in sorted order, so its
+/// memory stays bounded whatever the array's size. A large array is cut into at most `MAX_CHUNKS` chunks (each
+/// chunk's multi-insert takes a subtransaction, and the backend keeps room for only so many).
+const CHUNK: usize = 10_000;
+const MAX_CHUNKS: usize = 16;
+
 /// Marks `ids` in `inbox` for `ttl` (None: the inbox's default), asking the filter first, and keeps the inbox's
-/// counters. Returns the ids that were new.
-pub fn mark(inbox: &Inbox, ids: &[String], ttl: Option<Interval>) -> HashSet<String> {
-    let suspects = suspects(inbox, ids);
-    let out = claim(inbox, ids, suspects.as_ref(), window_end(inbox, ttl));
-    inbox.count(Counter::Marks, out.fresh.len() as u64);
-    inbox.count(Counter::Duplicates, (ids.len() - out.fresh.len()) as u64);
-    inbox.count(Counter::Renewals, out.renewals);
-    inbox.count(Counter::FalsePositives, out.false_positives);
-    out.fresh
+/// counters. Returns, for each position of `ids`, whether it is the first occurrence of an id that was new.
+pub fn mark(inbox: &Inbox, ids: &[&str], ttl: Option<Interval>) -> Vec<bool> {
+    // The distinct ids in sorted order (two calls with overlapping ids then lock rows in the same order and cannot
+    // deadlock each other), each by the position of its first occurrence. Positions, not copies: an array of a
+    // million ids must not cost a million strings.
+    let mut order: Vec<u32> = (0..ids.len() as u32).collect();
+    order.sort_unstable_by(|&a, &b| ids[a as usize].cmp(ids[b as usize]).then(a.cmp(&b)));
+    order.dedup_by(|later, first| ids[*later as usize] == ids[*first as usize]);
+    let expires_at = window_end(inbox, ttl);
+    let filter = trusted_filter(inbox);
+    let mut new_at = vec![false; ids.len()];
+    let mut fresh = 0;
+    for chunk in order.chunks(CHUNK.max(order.len().div_ceil(MAX_CHUNKS))) {
+        let chunk_ids: Vec<&str> = chunk.iter().map(|&i| ids[i as usize]).collect();
+        let suspects = filter.as_ref().map(|filter| suspects(filter, inbox, &chunk_ids));
+        let out = claim(inbox, &chunk_ids, suspects.as_ref(), expires_at);
+        for (&i, id) in chunk.iter().zip(&chunk_ids) {
+            if out.fresh.contains(*id) {
+                new_at[i as usize] = true;
+                fresh += 1;
+            }
+        }
+        inbox.count(Counter::Renewals, out.renewals);
+        inbox.count(Counter::FalsePositives, out.false_positives);
+    }
+    inbox.count(Counter::Marks, fresh);
+    inbox.count(Counter::Duplicates, ids.len() as u64 - fresh);
+    new_at
 }
 
 /// What a claim found.
@@ -116,21 +140,15 @@ struct Outcome {
     false_positives: u64,
 }
 
-/// Claims `ids` for the window ending at `expires_at`. `suspects` is what the filter said: None when no filter
+/// Claims `ids` (sorted, distinct) for the window ending at `expires_at`. `suspects` is what the filter said: None when no filter
 /// answered, else the ids it could not call "certainly new". Suspects are probed before any insert is tried, so a
 /// duplicate costs one index lookup. When a filter answered, what is left is most likely all new and goes straight
 /// into heap and indexes; whatever that cannot settle takes the ordinary rounds, whose conflict check is the
 /// truth either way.
-fn claim(
-    inbox: &Inbox,
-    ids: &[String],
-    suspects: Option<&HashSet<&str>>,
-    expires_at: TimestampWithTimeZone,
-) -> Outcome {
+fn claim(inbox: &Inbox, ids: &[&str], suspects: Option<&HashSet<&str>>, expires_at: TimestampWithTimeZone) -> Outcome {
     let now = statement_now();
-    let mut pending: Vec<String> = ids.to_vec();
-    pending.sort_unstable();
-    pending.dedup();
+    // Sorted and distinct already (see `mark`).
+    let mut pending: Vec<String> = ids.iter().map(|id| id.to_string()).collect();
     let mut out = Outcome::default();
     if let Some(suspects) = suspects {
         let probe_first: Vec<String> = pending.iter().filter(|id| suspects.contains(id.as_str())).cloned().collect();
@@ -253,4 +271,126 @@ pub fn forget(inbox: &Inbox, id: &str) -> bool {
             .run(client, Stmt::Forget, &[id.into(), statement_now().into()])
             .any(|row| row.get::<bool>(1).ok().flatten() == Some(true))
     })
+}
+
+#[cfg(any(test, feature = "pg_test"))]
+#[pg_schema]
+mod tests {
+    use crate::testing::*;
+    use pgrx::prelude::*;
+
+    /// A fresh inbox: created empty, so the filter answers for it at once.
+    fn fresh_inbox(name: &str) {
+        run(&format!("SELECT dedup.create_inbox('{name}', '1 day')"));
+        assert_eq!(one::<bool>(&format!("SELECT filter_trusted FROM dedup.stats WHERE inbox = '{name}'")), true);
+    }
+
+    fn counter(inbox: &str, column: &str) -> i64 {
+        one::<i64>(&format!("SELECT {column} FROM dedup.stats WHERE inbox = '{inbox}'"))
+    }
+
+    #[pg_test]
+    fn claim_an_expired_mark_is_renewed_in_place() {
+        fresh_inbox("renew");
+        run("INSERT INTO dedup.inbox_renew VALUES ('r', now() - interval '1 second')");
+        let before = one::<String>("SELECT ctid::text FROM dedup.inbox_renew WHERE id = 'r'");
+        assert!(one::<bool>("SELECT dedup.mark('r', '1 hour', 'renew')"), "an expired mark is new again");
+        assert_eq!(count("dedup.inbox_renew"), 1, "renewed, not inserted twice");
+        assert!(one::<bool>("SELECT expires_at = statement_timestamp() + interval '1 hour' FROM dedup.inbox_renew"));
+        assert_ne!(
+            one::<String>("SELECT ctid::text FROM dedup.inbox_renew WHERE id = 'r'"),
+            before,
+            "a new row version"
+        );
+        assert_eq!(counter("renew", "renewals"), 1);
+        assert!(!one::<bool>("SELECT dedup.mark('r', NULL, 'renew')"));
+    }
+
+    #[pg_test]
+    fn claim_mark_many_renews_expired_ids_among_new_and_live_ones() {
+        fresh_inbox("renew_many");
+        run("INSERT INTO dedup.inbox_renew_many VALUES ('old-1', now() - interval '1 minute'),
+                 ('old-2', now() - interval '1 minute'), ('live', now() + interval '1 hour')");
+        let new = column(
+            "SELECT * FROM dedup.mark_many(ARRAY['n1','old-1','live','n2','n3','n4','n5','n6','n7','old-2'], NULL, 'renew_many')",
+        );
+        assert_eq!(new, ["n1", "old-1", "n2", "n3", "n4", "n5", "n6", "n7", "old-2"]);
+        assert_eq!(counter("renew_many", "renewals"), 2);
+        assert_eq!(count("dedup.inbox_renew_many WHERE expires_at < now()"), 0);
+    }
+
+    #[pg_test]
+    fn claim_a_duplicate_does_not_extend_the_window() {
+        fresh_inbox("window");
+        run("SELECT dedup.mark('w', '1 hour', 'window')");
+        let first = one::<String>("SELECT expires_at::text FROM dedup.inbox_window");
+        assert!(!one::<bool>("SELECT dedup.mark('w', '5 days', 'window')"));
+        assert_eq!(one::<String>("SELECT expires_at::text FROM dedup.inbox_window"), first);
+    }
+
+    #[pg_test]
+    fn claim_certainly_new_ids_go_straight_into_heap_and_indexes() {
+        fresh_inbox("direct");
+        let calls = trigger_calls();
+        assert!(one::<bool>("SELECT dedup.mark('single', NULL, 'direct')"));
+        assert_eq!(column("SELECT * FROM dedup.mark_many((SELECT array_agg('b' || g) FROM generate_series(1, 50) g), NULL, 'direct')").len(), 50);
+        assert_eq!(trigger_calls(), calls, "the speculative and the multi-insert wrote the rows, not the executor");
+        assert_eq!(count("dedup.inbox_direct"), 51);
+        assert_eq!(counter("direct", "certainly_new"), 51);
+        assert_eq!(counter("direct", "marks"), 51);
+        // Both indexes got every row.
+        run("SET LOCAL enable_seqscan = off");
+        assert_eq!(count("dedup.inbox_direct WHERE id = 'b17'"), 1);
+        assert_eq!(count("dedup.inbox_direct WHERE expires_at > now()"), 51);
+    }
+
+    #[pg_test]
+    fn claim_duplicates_are_answered_by_a_lookup_and_counted() {
+        fresh_inbox("dups");
+        run("SELECT * FROM dedup.mark_many(ARRAY['d1', 'd2', 'd3'], NULL, 'dups')");
+        assert!(column("SELECT * FROM dedup.mark_many(ARRAY['d1', 'd2', 'd3', 'd1'], NULL, 'dups')").is_empty());
+        assert_eq!(counter("dups", "marks"), 3);
+        assert_eq!(counter("dups", "duplicates"), 4, "a repeat inside an array counts as a duplicate too");
+        assert_eq!(counter("dups", "false_positives"), 0);
+    }
+
+    #[pg_test]
+    fn claim_a_false_positive_is_counted_and_the_id_is_new() {
+        fresh_inbox("fp");
+        run("SELECT dedup.mark('gone', NULL, 'fp'); SELECT dedup.forget('gone', 'fp')");
+        assert!(one::<bool>("SELECT dedup.mark('gone', NULL, 'fp')"), "the filter said maybe, the index said no");
+        assert_eq!(counter("fp", "false_positives"), 1);
+    }
+
+    #[pg_test]
+    fn claim_an_inbox_with_another_trigger_is_written_by_the_executor() {
+        fresh_inbox("audited");
+        run("CREATE TABLE claim_audit (id text);
+             CREATE FUNCTION claim_audit() RETURNS trigger LANGUAGE plpgsql AS
+               $$ BEGIN INSERT INTO claim_audit VALUES (NEW.id); RETURN NEW; END $$;
+             CREATE TRIGGER audit AFTER INSERT ON dedup.inbox_audited FOR EACH ROW EXECUTE FUNCTION claim_audit()");
+        let calls = trigger_calls();
+        assert!(one::<bool>("SELECT dedup.mark('a', NULL, 'audited')"));
+        assert_eq!(
+            column("SELECT * FROM dedup.mark_many(ARRAY['b','c','d','e','f','g','h','i','j'], NULL, 'audited')").len(),
+            9
+        );
+        assert_eq!(count("claim_audit"), 10, "the owner's trigger saw every row");
+        assert_eq!(trigger_calls(), calls + 10, "the filter trigger ran for every row the executor wrote");
+        assert!(one::<bool>("SELECT filter_trusted FROM dedup.stats WHERE inbox = 'audited'"));
+        assert!(one::<bool>("SELECT dedup.seen('j', 'audited')"));
+    }
+
+    #[pg_test]
+    fn claim_without_a_trusted_filter_the_index_answers_alone() {
+        run("SET LOCAL dedup.bloom = off");
+        assert!(!one::<bool>("SELECT filter_trusted FROM dedup.stats WHERE inbox = 'default'"));
+        assert!(one::<bool>("SELECT dedup.mark('i1')"));
+        assert!(!one::<bool>("SELECT dedup.mark('i1')"));
+        assert_eq!(
+            column("SELECT * FROM dedup.mark_many(ARRAY['i1','i2','i3','i4','i5','i6','i7','i8','i9'])").len(),
+            8
+        );
+        assert!(one::<bool>("SELECT dedup.seen('i9')"));
+    }
 }

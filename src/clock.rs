@@ -22,3 +22,33 @@ pub fn expiry(now: TimestampWithTimeZone, ttl: Interval) -> TimestampWithTimeZon
     }
     .expect("timestamptz + interval is never NULL")
 }
+
+#[cfg(any(test, feature = "pg_test"))]
+#[pg_schema]
+mod tests {
+    use crate::testing::*;
+    use pgrx::prelude::*;
+
+    #[pg_test]
+    fn clock_now_is_the_start_of_the_statement() {
+        let now = super::statement_now();
+        assert_eq!(now, one::<TimestampWithTimeZone>("SELECT statement_timestamp()"));
+        run("SELECT pg_sleep(0.01)");
+        assert_eq!(super::statement_now(), now, "the same reading for every call of one statement");
+    }
+
+    #[pg_test]
+    fn clock_expiry_follows_the_calendar() {
+        let start = one::<TimestampWithTimeZone>("SELECT '2024-01-31 12:00:00+00'::timestamptz");
+        let month = one::<Interval>("SELECT interval '1 month'");
+        assert_eq!(
+            super::expiry(start, month),
+            one::<TimestampWithTimeZone>("SELECT '2024-01-31 12:00:00+00'::timestamptz + interval '1 month'")
+        );
+        let day = one::<Interval>("SELECT interval '36 hours'");
+        assert_eq!(
+            super::expiry(start, day),
+            one::<TimestampWithTimeZone>("SELECT '2024-02-02 00:00:00+00'::timestamptz")
+        );
+    }
+}

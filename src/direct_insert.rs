@@ -32,13 +32,13 @@ const MIN_IDS: usize = 8;
 /// Inserts what it can of `ids` (sorted, distinct) with `expires_at` and returns the ids it inserted. Nothing was
 /// written for the others: the table needs the executor, or the id had a row after all.
 pub fn insert(inbox: &Inbox, ids: &[String], expires_at: TimestampWithTimeZone) -> Vec<String> {
+    if !inbox.shape().plain {
+        return Vec::new();
+    }
     // SAFETY: the inbox was opened (and locked) by this transaction; the relation is closed below.
     let rel = unsafe { pg_sys::table_open(inbox.relid, pg_sys::RowExclusiveLock as pg_sys::LOCKMODE) };
     let expires_at = expires_at.into_datum().expect("a timestamp is a datum");
-    // SAFETY: `rel` is open, with RowExclusiveLock, for the rest of this function.
-    let inserted = if !unsafe { only_the_row_matters(rel) } {
-        Vec::new()
-    } else if ids.len() >= MIN_IDS && xact::has_room() && insert_all(rel, inbox.ns, ids, expires_at) {
+    let inserted = if ids.len() >= MIN_IDS && xact::has_room() && insert_all(rel, inbox.ns, ids, expires_at) {
         ids.to_vec()
     } else {
         // SAFETY: as above, and the table qualified.
@@ -65,7 +65,7 @@ fn insert_all(rel: pg_sys::Relation, ns: u64, ids: &[String], expires_at: pg_sys
 /// Each of `ids` on its own, by speculative insertion; returns those that went in.
 ///
 /// # Safety
-/// `rel` must be an inbox table opened with RowExclusiveLock that `only_the_row_matters`.
+/// `rel` must be an inbox table opened with RowExclusiveLock whose shape is `plain`.
 unsafe fn insert_each(rel: pg_sys::Relation, ns: u64, ids: &[String], expires_at: pg_sys::Datum) -> Vec<String> {
     with_indexes(rel, |estate, result_rel| {
         let slot = row_slots(rel, 1)[0];
@@ -90,8 +90,6 @@ unsafe fn insert_one(
     id: &str,
     expires_at: pg_sys::Datum,
 ) -> bool {
-    // What the filter trigger does for the executor: the bits, before the row exists.
-    filter::add(ns, &[id]);
     store_row(slot, id, expires_at);
     let xid = pg_sys::GetCurrentTransactionId();
     let token = pg_sys::SpeculativeInsertionLockAcquire(xid);
@@ -107,48 +105,11 @@ unsafe fn insert_one(
     ports::ExecInsertIndexTuples(result_rel, slot, estate, Some(&mut conflict));
     pg_sys::table_tuple_complete_speculative(rel, slot, token, !conflict);
     pg_sys::SpeculativeInsertionLockRelease(xid);
+    if !conflict {
+        // What the filter trigger does for the executor: the bits, once the row exists (a killed row needs none).
+        filter::add(ns, &[id]);
+    }
     !conflict
-}
-
-/// Does writing a row need nothing but the two values and their index entries? The table must still be the
-/// inbox row type exactly (its owner could have made it `NOT OF` and added columns with defaults), and the only
-/// trigger allowed is our own filter trigger, whose work is done here instead.
-///
-/// # Safety
-/// `rel` must be an open relation.
-unsafe fn only_the_row_matters(rel: pg_sys::Relation) -> bool {
-    let form = &*(*rel).rd_rel;
-    let desc = pgrx::PgTupleDesc::from_pg_unchecked((*rel).rd_att);
-    let column_is = |i: usize, name: &str, type_oid: pg_sys::Oid| {
-        desc.get(i).is_some_and(|a| !a.attisdropped && a.atttypid == type_oid && a.name() == name)
-    };
-    let constr = (*(*rel).rd_att).constr;
-    let triggers = (*rel).trigdesc;
-    let only_ours = triggers.is_null() || ((*triggers).numtriggers == 1 && is_filter_trigger(&*(*triggers).triggers));
-    form.relkind == pg_sys::RELKIND_RELATION as std::ffi::c_char
-        && form.reloftype != pg_sys::InvalidOid
-        && !form.relispartition
-        && !form.relrowsecurity
-        && desc.len() == 2
-        && column_is(0, "id", pg_sys::TEXTOID)
-        && column_is(1, "expires_at", pg_sys::TIMESTAMPTZOID)
-        // No CHECK constraints, defaults or generated columns (none can be added to a typed table's own columns
-        // but CHECK; the rest is belt and braces).
-        && (constr.is_null() || ((*constr).num_check == 0 && (*constr).num_defval == 0 && !(*constr).has_generated_stored))
-        && (*rel).rd_rules.is_null()
-        && only_ours
-}
-
-/// Is this the `dedup_filter` trigger as created by `create_inbox()`: our function, firing always?
-///
-/// # Safety
-/// `t` must be a trigger of an open relation's trigger descriptor.
-unsafe fn is_filter_trigger(t: &pg_sys::Trigger) -> bool {
-    let function = pg_sys::get_func_name(t.tgfoid);
-    !function.is_null()
-        && std::ffi::CStr::from_ptr(function).to_bytes() == b"inbox_filter_trigger"
-        && std::ffi::CStr::from_ptr(t.tgname).to_bytes() == b"dedup_filter"
-        && t.tgenabled == pg_sys::TRIGGER_FIRES_ALWAYS as std::ffi::c_char
 }
 
 /// The filter bits, then one multi-insert into the heap, then each row's index entries (raising unique_violation
@@ -157,8 +118,6 @@ unsafe fn is_filter_trigger(t: &pg_sys::Trigger) -> bool {
 /// # Safety
 /// As for `insert_each`.
 unsafe fn write_rows(rel: pg_sys::Relation, ns: u64, ids: &[String], expires_at: pg_sys::Datum) {
-    // What the filter trigger does for the executor: the bits, before any row exists.
-    filter::add(ns, ids);
     with_indexes(rel, |estate, result_rel| {
         let slots = row_slots(rel, ids.len());
         for (&slot, id) in slots.iter().zip(ids) {
@@ -171,7 +130,10 @@ unsafe fn write_rows(rel: pg_sys::Relation, ns: u64, ids: &[String], expires_at:
             ports::ExecInsertIndexTuples(result_rel, slot, estate, None);
             pg_sys::ExecDropSingleTupleTableSlot(slot);
         }
-    })
+    });
+    // What the filter trigger does for the executor: the bits, once the rows exist (a unique violation above
+    // undoes the rows, and no bits are needed).
+    filter::add(ns, ids);
 }
 
 /// Runs `body` with the table's indexes open for insertion, in an executor state of our own (there is no query)
@@ -219,4 +181,58 @@ unsafe fn store_row(slot: *mut pg_sys::TupleTableSlot, id: &str, expires_at: pg_
     *(*slot).tts_isnull.add(0) = false;
     *(*slot).tts_isnull.add(1) = false;
     pg_sys::ExecStoreVirtualTuple(slot);
+}
+
+#[cfg(any(test, feature = "pg_test"))]
+#[pg_schema]
+mod tests {
+    use crate::inbox::{open, Access};
+    use crate::testing::*;
+    use pgrx::prelude::*;
+
+    fn ids(prefix: &str, n: usize) -> Vec<String> {
+        (0..n).map(|i| format!("{prefix}{i:04}")).collect()
+    }
+
+    #[pg_test]
+    fn direct_insert_writes_rows_their_index_entries_and_filter_bits() {
+        run("SELECT dedup.create_inbox('di_rows')");
+        let inbox = open("di_rows", Access::Mark);
+        let expires = one::<TimestampWithTimeZone>("SELECT now() + interval '1 hour'");
+        let batch = ids("b", 20);
+        assert_eq!(super::insert(&inbox, &batch, expires), batch, "a batch goes in whole");
+        assert_eq!(super::insert(&inbox, &["single".to_owned()], expires), ["single"]);
+        assert_eq!(count("dedup.inbox_di_rows"), 21);
+        run("SET LOCAL enable_seqscan = off");
+        assert_eq!(count("dedup.inbox_di_rows WHERE id = 'b0007'"), 1, "the primary key has the row");
+        let filter = inbox.filter().expect("trusted");
+        assert!(filter.maybe(&batch).iter().all(|m| *m));
+        assert!(filter.may_contain("single"));
+    }
+
+    #[pg_test]
+    fn direct_insert_leaves_ids_that_have_a_row_to_the_caller() {
+        run("SELECT dedup.create_inbox('di_conflict'); SELECT dedup.mark('b0005', NULL, 'di_conflict')");
+        let inbox = open("di_conflict", Access::Mark);
+        let expires = one::<TimestampWithTimeZone>("SELECT now() + interval '1 hour'");
+        let batch = ids("b", 12);
+        let inserted = super::insert(&inbox, &batch, expires);
+        assert_eq!(inserted.len(), 11, "the undone batch went in id by id, all but the one with a row");
+        assert!(!inserted.contains(&"b0005".to_owned()));
+        assert_eq!(count("dedup.inbox_di_conflict"), 12);
+        assert_eq!(count("dedup.inbox_di_conflict WHERE id = 'b0005'"), 1);
+    }
+
+    #[pg_test]
+    fn direct_insert_refuses_a_table_that_needs_the_executor() {
+        run("SELECT dedup.create_inbox('di_reshaped');
+             ALTER TABLE dedup.inbox_di_reshaped NOT OF;
+             ALTER TABLE dedup.inbox_di_reshaped ADD COLUMN note text DEFAULT 'default'");
+        let inbox = open("di_reshaped", Access::Mark);
+        assert!(!inbox.shape().plain);
+        let expires = one::<TimestampWithTimeZone>("SELECT now() + interval '1 hour'");
+        assert!(super::insert(&inbox, &ids("x", 10), expires).is_empty(), "nothing written behind the executor's back");
+        assert_eq!(column("SELECT * FROM dedup.mark_many(ARRAY['x1','x2'], NULL, 'di_reshaped')").len(), 2);
+        assert_eq!(count("dedup.inbox_di_reshaped WHERE note = 'default'"), 2);
+    }
 }

@@ -4,20 +4,23 @@
 //! Design (see README, "The Bloom filter"):
 //! - Two generations of split-block filter, each sized for `dedup.bloom_capacity` live marks at
 //!   `dedup.bloom_false_positive_rate`. Lookups read the *active* generation only.
-//! - Every key that may reach an inbox table goes into **both** generations *before* its row is written: a row
-//!   trigger on every inbox table (BEFORE INSERT OR UPDATE, `ENABLE ALWAYS`, so it also fires for COPY, restores and
-//!   logical replication) adds `NEW.id`, and the direct insert (direct_insert.rs), which bypasses triggers, does the
-//!   same itself. Rollbacks, `forget()`, TRUNCATE and expiry only leave extra bits: false
-//!   positives, never false negatives.
+//! - Every key written to an inbox table goes into **both** generations *right after* its row is written, before
+//!   the writing statement ends: the `dedup_filter` trigger (trigger.rs: AFTER INSERT OR UPDATE OF id, `ENABLE
+//!   ALWAYS`, so it also fires for COPY, restores and logical replication) adds `NEW.id`, and the direct insert
+//!   (direct_insert.rs), which bypasses triggers, does the same itself. Rollbacks, `forget()`, TRUNCATE and expiry
+//!   only leave extra bits: false positives, never false negatives.
 //! - An inbox is *trusted* in a generation only once its rows were loaded into it (a rebuild scanned the table, or
-//!   the inbox was created empty in this server's lifetime). After a restart or crash the memory is new and nothing
-//!   is trusted: every call goes to the index until the background worker (or `dedup.bloom_rebuild()`) has loaded
-//!   the inbox. A hot standby never trusts the filter (its rows arrive by WAL replay, past the trigger).
+//!   the inbox was created empty in this server's lifetime), and only while its trigger guards it (trigger.rs stops
+//!   trusting it the moment DDL changes that). After a restart or crash the memory is new and nothing is trusted:
+//!   every call goes to the index until the background worker (or `dedup.bloom_rebuild()`) has loaded the inbox. A
+//!   hot standby never trusts the filter (its rows arrive by WAL replay, past the trigger).
+//! - Loads read the table with a dirty snapshot: every row physically there that is committed or still in
+//!   progress (prepared transactions included, which a restart does not end), whatever the caller's snapshot.
 //! - Expiry: marks expire but bits cannot be removed. When the active generation's measured false-positive rate
-//!   drifts above target, a rotation clears the other generation, waits for every transaction holding a
-//!   transaction id (`add` takes one before setting bits, so these are all that may have set bits in the
-//!   cleared memory), reloads every inbox through a snapshot taken after that wait, and makes it active. Inboxes
-//!   the rotation did not load (other databases) fall back to the index until loaded.
+//!   drifts above target, a rotation clears the other generation, reloads every inbox of the database into it, and
+//!   makes it active. It waits for nobody: a row written before the clear is in the table when the load reads it,
+//!   and a row written after the clear sets its bits after it. Inboxes the rotation did not load (other databases,
+//!   tables busy with DDL) fall back to the index until loaded.
 
 use crate::guc;
 use crate::shmem::{namespace, region, Header};
@@ -34,13 +37,10 @@ pub fn is_preloaded() -> bool {
     region().is_some()
 }
 
-/// Adds keys to both generations. Called for every row written to an inbox table, before it is written (by the
-/// filter trigger, and by the direct insert, which bypasses triggers).
+/// Adds keys to both generations. Called for every row written to an inbox table, right after it is written (by
+/// the filter trigger, and by the direct insert, which bypasses triggers).
 pub fn add<S: AsRef<str>>(ns: u64, ids: &[S]) {
     if let Some(h) = region() {
-        // The rows are about to be written, which takes a transaction id anyway; taking it before the bits are set
-        // is what lets a rotation find, and wait for, every transaction whose bits it may clear.
-        unsafe { pg_sys::GetCurrentTransactionId() };
         let (first, second) = (generation(h, 0), generation(h, 1));
         pg_dedup_bloom::for_each_prefetched(&[&first, &second], &hashes(ns, ids), |_, hash| {
             first.insert(hash);
@@ -109,6 +109,13 @@ pub fn trust_new_inbox(ns: u64) {
     }
 }
 
+/// Stops trusting inbox `ns` in every generation (its trigger stopped guarding it); true if it was trusted in one.
+/// It is trusted again only once a load has read it with the trigger guarding.
+pub fn untrust(ns: u64) -> bool {
+    let Some(e) = region().and_then(|h| h.entry(ns, false)) else { return false };
+    e.loaded.iter().fold(false, |was, loaded| loaded.swap(0, Ordering::AcqRel) != 0 || was)
+}
+
 /// Inboxes of the current database that the active generation does not cover yet.
 pub fn untrusted(inboxes: &[pg_sys::Oid]) -> Vec<pg_sys::Oid> {
     let Some(h) = region() else { return Vec::new() };
@@ -175,15 +182,13 @@ impl RebuildGuard {
         h.epoch[target].store(h.next_epoch.fetch_add(1, Ordering::AcqRel), Ordering::SeqCst);
         std::sync::atomic::fence(Ordering::SeqCst);
         generation(h, target).clear();
-        // Keys set in the cleared memory before or while it was cleared belong to transactions that took their
-        // transaction id before setting them (the trigger sees to that). Wait for every transaction with an id
-        // running now; the reload's snapshot, taken afterwards, then sees their rows.
-        wait_for_writing_transactions();
         target
     }
 
-    pub fn load(&self, target: usize, ns: u64, id: &str) {
-        generation(self.0, target).insert(pg_dedup_bloom::hash_key(ns, id.as_bytes()));
+    /// Puts the keys of rows read by a load into generation `target`.
+    pub fn load(&self, target: usize, hashes: &[u64]) {
+        let filter = generation(self.0, target);
+        pg_dedup_bloom::for_each_prefetched(&[&filter], hashes, |_, hash| filter.insert(hash));
     }
 
     pub fn loaded(&self, target: usize, ns: u64) {
@@ -192,34 +197,15 @@ impl RebuildGuard {
         }
     }
 
-    pub fn finish(self, target: usize) {
+    /// Makes `target` the generation lookups read. A rotation, or a load that loaded something, counts as a
+    /// rebuild in `dedup.stats` (a catch-up round that found nothing it could load does not).
+    pub fn finish(self, target: usize, counts: bool) {
         let h = self.0;
         h.active.store(target as u32, Ordering::Release);
-        h.rebuilds.fetch_add(1, Ordering::Relaxed);
-        h.last_rebuild.store(unsafe { pg_sys::GetCurrentTimestamp() }, Ordering::Relaxed);
-    }
-}
-
-/// Waits for every transaction that has a transaction id now. A snapshot lists running ids below its xmax only, so
-/// the ids handed out since (up to the next one to be assigned) are checked one by one.
-fn wait_for_writing_transactions() {
-    unsafe {
-        let snapshot = pg_sys::GetLatestSnapshot();
-        let mut running: Vec<pg_sys::TransactionId> =
-            std::slice::from_raw_parts((*snapshot).xip, (*snapshot).xcnt as usize).to_vec();
-        let next = pg_sys::TransactionId::from(pg_sys::ReadNextFullTransactionId().value as u32);
-        let mut xid = (*snapshot).xmax;
-        while xid != next {
-            if xid.into_inner() >= pg_sys::FirstNormalTransactionId.into_inner()
-                && pg_sys::TransactionIdIsInProgress(xid)
-            {
-                running.push(xid);
-            }
-            xid = pg_sys::TransactionId::from(xid.into_inner().wrapping_add(1));
-        }
-        let own = pg_sys::GetTopTransactionIdIfAny();
-        for xid in running.into_iter().filter(|xid| *xid != own) {
-            pg_sys::XactLockTableWait(xid, std::ptr::null_mut(), std::ptr::null_mut(), pg_sys::XLTW_Oper::XLTW_None);
+        if counts {
+            h.rebuilds.fetch_add(1, Ordering::Relaxed);
+            // SAFETY: reads the clock.
+            h.last_rebuild.store(unsafe { pg_sys::GetCurrentTimestamp() }, Ordering::Relaxed);
         }
     }
 }
@@ -275,20 +261,75 @@ pub fn summary() -> Summary {
     }
 }
 
-/// Row trigger on every inbox table (BEFORE INSERT OR UPDATE, ENABLE ALWAYS): puts `NEW.id` into the filter before
-/// the row is written, whoever writes it (mark(), INSERT, COPY, a restore, logical replication).
-#[pg_trigger]
-fn inbox_filter_trigger<'a>(
-    trigger: &'a pgrx::PgTrigger<'a>,
-) -> Result<Option<PgHeapTuple<'a, AllocatedByPostgres>>, pgrx::heap_tuple::PgHeapTupleError> {
-    let new = trigger.new();
-    if is_preloaded() {
-        if let Some(tuple) = &new {
-            let id_column = std::num::NonZeroUsize::new(1).expect("1 is not zero");
-            if let (Ok(Some(id)), Ok(relid)) = (tuple.get_by_index::<&str>(id_column), trigger.relid()) {
-                add(namespace(relid), &[id]);
-            }
-        }
+#[cfg(any(test, feature = "pg_test"))]
+#[pg_schema]
+mod tests {
+    use super::*;
+    use crate::testing::*;
+
+    fn ns_of(inbox: &str) -> u64 {
+        namespace(one::<pg_sys::Oid>(&format!("SELECT 'dedup.inbox_{inbox}'::regclass::oid")))
     }
-    Ok(new)
+
+    #[pg_test]
+    fn filter_a_new_inbox_is_trusted_at_once_and_answers_certainly_new() {
+        run("SELECT dedup.create_inbox('fl_new')");
+        let filter = Trusted::for_inbox(ns_of("fl_new")).expect("a new, empty inbox is trusted");
+        assert!(!filter.may_contain("never-marked"));
+        run("SELECT dedup.mark('marked', NULL, 'fl_new')");
+        assert!(filter.may_contain("marked"), "a mark's bits are set before its statement ends");
+    }
+
+    #[pg_test]
+    fn filter_keys_are_namespaced_by_inbox() {
+        run("SELECT dedup.create_inbox('fl_a'); SELECT dedup.create_inbox('fl_b'); SELECT dedup.mark('k', NULL, 'fl_a')");
+        let a = Trusted::for_inbox(ns_of("fl_a")).unwrap();
+        let b = Trusted::for_inbox(ns_of("fl_b")).unwrap();
+        assert!(a.may_contain("k"));
+        assert!(!b.may_contain("k"), "the same id in another inbox is another key");
+    }
+
+    #[pg_test]
+    fn filter_maybe_answers_for_many_ids_at_once() {
+        run("SELECT dedup.create_inbox('fl_many')");
+        let marked: Vec<String> = (0..200).map(|i| format!("m{i}")).collect();
+        add(ns_of("fl_many"), &marked);
+        let filter = Trusted::for_inbox(ns_of("fl_many")).unwrap();
+        assert!(filter.maybe(&marked).iter().all(|m| *m), "no false negative");
+        let unknown: Vec<String> = (0..200).map(|i| format!("u{i}")).collect();
+        let false_positives = filter.maybe(&unknown).iter().filter(|m| **m).count();
+        assert!(false_positives < 20, "an almost empty filter says maybe rarely: {false_positives}/200");
+    }
+
+    #[pg_test]
+    fn filter_untrust_stops_every_generation_answering() {
+        run("SELECT dedup.create_inbox('fl_untrust')");
+        let ns = ns_of("fl_untrust");
+        assert!(untrust(ns), "it was trusted");
+        assert!(Trusted::for_inbox(ns).is_none());
+        assert!(!untrust(ns), "nothing left to untrust");
+    }
+
+    #[pg_test]
+    fn filter_a_cleared_generation_answers_maybe_for_everything() {
+        run("SELECT dedup.create_inbox('fl_epoch')");
+        let filter = Trusted::for_inbox(ns_of("fl_epoch")).unwrap();
+        assert!(!filter.may_contain("x"));
+        // A rotation clears the other generation and bumps its epoch; make the active one look cleared.
+        let h = region().unwrap();
+        let gen = h.active.load(Ordering::Acquire) as usize;
+        let epoch = h.epoch[gen].load(Ordering::Acquire);
+        h.epoch[gen].store(epoch + 1000, Ordering::SeqCst);
+        assert!(filter.may_contain("x"), "a lookup made before the clear cannot say certainly new");
+        assert!(filter.maybe(&["x", "y"]).iter().all(|m| *m));
+        h.epoch[gen].store(epoch, Ordering::SeqCst);
+    }
+
+    #[pg_test]
+    fn filter_summary_reports_its_state() {
+        let s = summary();
+        assert_eq!(s.state, "ready");
+        assert!(s.fill_ratio.is_some_and(|f| (0.0..=1.0).contains(&f)));
+        assert!(active_fpr().is_some());
+    }
 }

@@ -1,7 +1,8 @@
 //! Every setting of pg_dedup, in one place. Shown by `SHOW` and `pg_settings`; documented in README ("Settings").
 
 use pgrx::guc::{GucContext, GucFlags, GucRegistry, GucSetting};
-use std::ffi::CString;
+use pgrx::pg_sys;
+use std::ffi::{CStr, CString};
 
 /// Use the shared Bloom filter to answer "certainly new" without touching the index (superuser, per session).
 pub static BLOOM: GucSetting<bool> = GucSetting::<bool>::new(true);
@@ -21,6 +22,8 @@ pub static PURGE_BATCH_SIZE: GucSetting<i32> = GucSetting::<i32>::new(10_000);
 pub static PURGE_BATCH_DELAY: GucSetting<i32> = GucSetting::<i32>::new(10);
 /// Most rows one purge cycle deletes per database (0: no cap).
 pub static PURGE_MAX_ROWS_PER_CYCLE: GucSetting<i32> = GucSetting::<i32>::new(0);
+/// Longest a purge batch of the workers may take, in milliseconds (0: no limit).
+pub static PURGE_BATCH_TIMEOUT: GucSetting<i32> = GucSetting::<i32>::new(30_000);
 
 /// Settings that only make sense with shared memory: defined only while `shared_preload_libraries` loads us
 /// (a postmaster-context setting defined later would be FATAL).
@@ -103,6 +106,17 @@ pub fn init_preloaded() {
         GucContext::Sighup,
         GucFlags::default(),
     );
+    GucRegistry::define_int_guc(
+        c"dedup.purge_batch_timeout",
+        c"Longest a purge batch of the background workers may take (0: no limit).",
+        c"A batch that takes longer (a lock held by another transaction, a slow trigger on the inbox table) is rolled \
+          back and logged, and the worker goes on with the next inbox.",
+        &PURGE_BATCH_TIMEOUT,
+        0,
+        i32::MAX,
+        GucContext::Sighup,
+        GucFlags::UNIT_MS,
+    );
 }
 
 /// Settings that work with or without preloading.
@@ -122,4 +136,104 @@ pub fn worker_databases() -> Vec<String> {
     let list = DATABASE.get().and_then(|s| s.into_string().ok()).unwrap_or_default();
     let mut seen = std::collections::HashSet::new();
     list.split(',').map(|s| s.trim().to_owned()).filter(|s| !s.is_empty() && seen.insert(s.clone())).collect()
+}
+
+/// Claims the `dedup.` prefix (preloaded servers, once every setting is defined), so a misspelt one (`dedup.purge_intervall`) is
+/// reported instead of silently becoming a placeholder that nothing reads: an ERROR for `SET` from PostgreSQL 15 on
+/// (`MarkGUCPrefixReserved`), and on 13 and 14 a WARNING for those already set when the library loads (from
+/// postgresql.conf), which is all `EmitWarningsOnPlaceholders` can do.
+pub fn reserve_prefix() {
+    // SAFETY: called from _PG_init, after our settings are defined.
+    unsafe {
+        #[cfg(any(feature = "pg13", feature = "pg14"))]
+        pg_sys::EmitWarningsOnPlaceholders(c"dedup".as_ptr());
+        #[cfg(not(any(feature = "pg13", feature = "pg14")))]
+        pg_sys::MarkGUCPrefixReserved(c"dedup".as_ptr());
+    }
+}
+
+/// Runs `f` with `settings` (name, value) changed for its duration only, the way a function's `SET` clause does it:
+/// on return, every setting changed meanwhile — by `f` too, even with `set_config(..., false)` — is rolled back
+/// (`NewGUCNestLevel` / `AtEOXact_GUC`), and a `SET LOCAL` made before stays local. If `f` raises an ERROR, the
+/// (sub)transaction's abort rolls them back instead.
+pub fn scoped<R>(settings: &[(&CStr, &CStr)], f: impl FnOnce() -> R) -> R {
+    // SAFETY: opens a GUC nesting level, closed below (or by the abort of the enclosing (sub)transaction).
+    let level = unsafe { pg_sys::NewGUCNestLevel() };
+    for (name, value) in settings {
+        // SAFETY: valid NUL-terminated strings; an invalid value raises a clean ERROR.
+        unsafe {
+            pg_sys::set_config_option(
+                name.as_ptr(),
+                value.as_ptr(),
+                pg_sys::GucContext::PGC_USERSET,
+                pg_sys::GucSource::PGC_S_SESSION,
+                pg_sys::GucAction::GUC_ACTION_SAVE,
+                true,
+                0,
+                false,
+            )
+        };
+    }
+    let result = f();
+    // SAFETY: closes the level opened above; `false` rolls back what changed in it.
+    unsafe { pg_sys::AtEOXact_GUC(false, level) };
+    result
+}
+
+/// `scoped` with one setting.
+pub fn with_setting<R>(name: &CStr, value: &CStr, f: impl FnOnce() -> R) -> R {
+    scoped(&[(name, value)], f)
+}
+
+#[cfg(any(test, feature = "pg_test"))]
+#[pgrx::pg_schema]
+mod tests {
+    use crate::testing::*;
+    use pgrx::prelude::*;
+
+    #[pg_test]
+    fn guc_a_scoped_setting_is_rolled_back_with_everything_set_inside() {
+        run("SET LOCAL lock_timeout = '7s'; SET LOCAL statement_timeout = '8s'");
+        super::with_setting(c"lock_timeout", c"1ms", || {
+            assert_eq!(one::<String>("SHOW lock_timeout"), "1ms");
+            run("SELECT set_config('statement_timeout', '9s', false)");
+        });
+        assert_eq!(one::<String>("SHOW lock_timeout"), "7s");
+        assert_eq!(one::<String>("SHOW statement_timeout"), "8s", "a session-wide change inside was rolled back too");
+    }
+
+    #[pg_test]
+    fn guc_every_setting_is_registered_when_preloaded() {
+        let names = column("SELECT name FROM pg_settings WHERE name LIKE 'dedup.%' ORDER BY name");
+        assert_eq!(
+            names,
+            [
+                "dedup.bloom",
+                "dedup.bloom_capacity",
+                "dedup.bloom_false_positive_rate",
+                "dedup.database",
+                "dedup.purge",
+                "dedup.purge_batch_delay",
+                "dedup.purge_batch_size",
+                "dedup.purge_batch_timeout",
+                "dedup.purge_interval",
+                "dedup.purge_max_rows_per_cycle",
+            ]
+        );
+        assert_eq!(super::worker_databases(), ["postgres"]);
+    }
+
+    #[pg_test]
+    fn guc_a_misspelt_setting_is_refused() {
+        // From PostgreSQL 15 the prefix is reserved: a setting under it that pg_dedup does not define is an error.
+        #[cfg(not(any(feature = "pg13", feature = "pg14")))]
+        {
+            let (code, message) = error_of("SET dedup.purge_intervall = 5");
+            assert_eq!(code, PgSqlErrorCode::ERRCODE_INVALID_NAME, "{message}");
+        }
+        // On 13 and 14 only settings already present when the library loads are reported (a WARNING in the log).
+        #[cfg(any(feature = "pg13", feature = "pg14"))]
+        run("SET dedup.purge_intervall = 5");
+        assert_eq!(one::<String>("SHOW dedup.purge_interval"), "10s");
+    }
 }

@@ -35,15 +35,20 @@ pub fn id(id: Option<&str>) -> &str {
     }
 }
 
-/// Validates an array of ids: the array itself and each element follow the same rules as a single id.
-pub fn ids(ids: Option<Array<'_, &str>>) -> Vec<String> {
-    let Some(ids) = ids else {
+/// An array of ids must not be NULL.
+pub fn id_array<'a>(ids: Option<Array<'a, &'a str>>) -> Array<'a, &'a str> {
+    ids.unwrap_or_else(|| {
         raise(
             PgSqlErrorCode::ERRCODE_NULL_VALUE_NOT_ALLOWED,
             "ids must not be NULL",
             "Pass an array of message ids; an empty array marks nothing.",
         )
-    };
+    })
+}
+
+/// Validates the elements of an array of ids: each follows the same rules as a single id. They are borrowed from
+/// the array, not copied.
+pub fn ids<'arr>(ids: &'arr Array<'_, &str>) -> Vec<&'arr str> {
     ids.iter()
         .enumerate()
         .map(|(i, element)| {
@@ -54,7 +59,7 @@ pub fn ids(ids: Option<Array<'_, &str>>) -> Vec<String> {
                     "Remove NULL elements from the array; every message needs an id.",
                 )
             }
-            id(element).to_owned()
+            id(element)
         })
         .collect()
 }
@@ -105,5 +110,91 @@ pub fn max_rows(max_rows: Option<i64>) -> Option<i64> {
             "Pass NULL to purge every expired mark, or a positive row count to cap the work.",
         ),
         other => other,
+    }
+}
+
+/// Ids are text in the database's encoding, and pg_dedup handles them as UTF-8 (its Rust code, and the hashes the
+/// filter keeps). Inboxes are refused elsewhere, and since `CREATE EXTENSION` creates the default inbox, so is the
+/// extension: a clear error instead of failing on the first non-ASCII id.
+pub fn require_utf8_database() {
+    // SAFETY: reads the database encoding, fixed for the life of the database.
+    let encoding = unsafe { pg_sys::GetDatabaseEncoding() };
+    if encoding != pg_sys::pg_enc::PG_UTF8 as i32 {
+        // SAFETY: the name of a valid encoding id, a static string.
+        let name = unsafe { std::ffi::CStr::from_ptr(pg_sys::GetDatabaseEncodingName()) }.to_string_lossy();
+        raise(
+            PgSqlErrorCode::ERRCODE_FEATURE_NOT_SUPPORTED,
+            format!("pg_dedup needs a UTF8 database; this one is {name}"),
+            "Create the database with ENCODING 'UTF8' (clients may use any client_encoding).",
+        )
+    }
+}
+
+#[cfg(any(test, feature = "pg_test"))]
+#[pg_schema]
+mod tests {
+    use crate::testing::*;
+    use pgrx::prelude::*;
+    use PgSqlErrorCode::*;
+
+    #[pg_test]
+    fn input_an_id_must_be_present_and_not_empty() {
+        assert_dedup_error("SELECT dedup.mark(NULL)", ERRCODE_NULL_VALUE_NOT_ALLOWED);
+        assert_dedup_error("SELECT dedup.mark('')", ERRCODE_INVALID_PARAMETER_VALUE);
+        assert_dedup_error("SELECT dedup.seen(NULL)", ERRCODE_NULL_VALUE_NOT_ALLOWED);
+        assert_dedup_error("SELECT dedup.forget('')", ERRCODE_INVALID_PARAMETER_VALUE);
+    }
+
+    #[pg_test]
+    fn input_ids_are_at_most_2048_bytes() {
+        assert!(one::<bool>("SELECT dedup.mark(repeat('x', 2048))"), "2048 bytes is allowed");
+        assert_dedup_error("SELECT dedup.mark(repeat('x', 2049))", ERRCODE_PROGRAM_LIMIT_EXCEEDED);
+        // Bytes, not characters: 683 three-byte characters are 2049 bytes.
+        assert_dedup_error("SELECT dedup.mark(repeat('€', 683))", ERRCODE_PROGRAM_LIMIT_EXCEEDED);
+        let (_, message) = error_of("SELECT dedup.mark(repeat('x', 3000))");
+        assert!(message.contains("3000 bytes"), "{message}");
+    }
+
+    #[pg_test]
+    fn input_an_array_of_ids_and_each_element_are_checked() {
+        assert_dedup_error("SELECT * FROM dedup.mark_many(NULL)", ERRCODE_NULL_VALUE_NOT_ALLOWED);
+        assert_dedup_error("SELECT * FROM dedup.mark_many(ARRAY['a', NULL])", ERRCODE_NULL_VALUE_NOT_ALLOWED);
+        let (_, message) = error_of("SELECT * FROM dedup.mark_many(ARRAY['a', 'b', NULL])");
+        assert!(message.contains("ids[3]"), "the element is named: {message}");
+        assert_dedup_error("SELECT * FROM dedup.mark_many(ARRAY['a', ''])", ERRCODE_INVALID_PARAMETER_VALUE);
+        assert_eq!(count("dedup.inbox_default WHERE id = 'a'"), 0, "a rejected call marks nothing");
+    }
+
+    #[pg_test]
+    fn input_a_ttl_must_be_positive_and_sane() {
+        for ttl in ["'0 seconds'", "'-1 hour'", "'1 day -2 hours'", "'3661 days'", "'119 months 1 day'"] {
+            assert_dedup_error(&format!("SELECT dedup.mark('t', {ttl})"), ERRCODE_INVALID_PARAMETER_VALUE);
+        }
+        assert!(one::<bool>("SELECT dedup.mark('t', '3660 days')"), "the limit itself is allowed");
+        assert_dedup_error("SELECT dedup.create_inbox('bad_ttl', '-1 day')", ERRCODE_INVALID_PARAMETER_VALUE);
+    }
+
+    #[pg_test]
+    fn input_inbox_names_are_lower_case_identifiers() {
+        for name in ["'Upper'", "'1starts_with_digit'", "'has-dash'", "'has space'", "''", "repeat('a', 49)"] {
+            assert_dedup_error(&format!("SELECT dedup.create_inbox({name})"), ERRCODE_INVALID_NAME);
+        }
+        assert_dedup_error("SELECT dedup.mark('x', NULL, 'Robert''); DROP TABLE x; --')", ERRCODE_INVALID_NAME);
+        assert_dedup_error("SELECT dedup.mark('x', NULL, NULL)", ERRCODE_NULL_VALUE_NOT_ALLOWED);
+        run("SELECT dedup.create_inbox('_ok_9'); SELECT dedup.create_inbox(repeat('a', 48))");
+    }
+
+    #[pg_test]
+    fn input_max_rows_must_not_be_negative() {
+        assert_dedup_error("SELECT dedup.purge(NULL, -1)", ERRCODE_INVALID_PARAMETER_VALUE);
+        assert_eq!(one::<i64>("SELECT dedup.purge(NULL, 0)"), 0);
+    }
+
+    #[pg_test]
+    fn input_a_utf8_database_is_accepted() {
+        assert_eq!(one::<String>("SELECT pg_catalog.getdatabaseencoding()::text"), "UTF8");
+        super::require_utf8_database();
+        assert!(one::<bool>("SELECT dedup.mark('café-ünïcode-✓')"));
+        assert!(one::<bool>("SELECT dedup.seen('café-ünïcode-✓')"));
     }
 }

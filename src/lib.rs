@@ -6,11 +6,14 @@
 //! - `direct_insert` — certainly-new ids straight into heap and indexes, without the executor
 //! - `inbox`   — inbox tables: their statements, the registry, and the per-backend cache
 //! - `filter`  — the shared-memory Bloom filter in front of the indexes (preloaded only)
+//! - `trigger` — the filter trigger on every inbox table, and the DDL watch that keeps the filter honest about it
 //! - `rebuild` — loading inbox tables into the filter, and the worker's upkeep of it
 //! - `shmem`   — the shared memory region: filter words, per-inbox state and counters, worker slots
 //! - `worker`  — the background launcher and per-database workers (preloaded only)
 //! - `purge`   — batched deletion of expired marks, by `dedup.purge()` and by the workers' cycles
 //! - `stats`   — `dedup.stats`
+//! - `rights`  — acting as a table's owner (the worker's purge) or as the extension's owner (creating inboxes)
+//! - `catalog` — finding inbox tables in the catalogs
 //! - `clock`   — the time expiry is measured against
 //! - `xact`    — brackets that undo work on error: subtransactions, and the workers' transactions
 //! - `guc`     — every setting
@@ -20,6 +23,7 @@
 //! - `sql/`    — the hand-written SQL objects (row type, registry, default inbox, views, privileges)
 
 mod api;
+mod catalog;
 mod claim;
 mod clock;
 mod direct_insert;
@@ -31,10 +35,15 @@ mod input;
 mod ports;
 mod purge;
 mod rebuild;
+mod rights;
 mod shmem;
 mod stats;
+mod trigger;
 mod worker;
 mod xact;
+
+#[cfg(any(test, feature = "pg_test"))]
+mod testing;
 
 ::pgrx::pg_module_magic!();
 
@@ -43,6 +52,10 @@ pgrx::extension_sql_file!("../sql/finalize.sql", name = "finalize", finalize);
 
 #[pg_guard]
 pub extern "C-unwind" fn _PG_init() {
+    // An ERROR PostgreSQL raises inside one of our calls (a lock timeout, a serialization failure) passes through
+    // pgrx, which appends a Rust backtrace to its DETAIL when RUST_BACKTRACE is set in the server's environment. It
+    // must reach the client as PostgreSQL raised it; RUST_LIB_BACKTRACE takes precedence for such backtraces.
+    std::env::set_var("RUST_LIB_BACKTRACE", "0");
     guc::init();
     // Shared memory, postmaster-level settings and the worker exist only when loaded at server start.
     // SAFETY: reads a flag the postmaster sets while it loads shared_preload_libraries.
@@ -50,7 +63,20 @@ pub extern "C-unwind" fn _PG_init() {
         guc::init_preloaded();
         shmem::init_preloaded();
         worker::init_preloaded();
+        guc::reserve_prefix();
     }
 }
 
 use pgrx::pg_guard;
+
+/// `cargo pgrx test`: the server the `#[pg_test]`s run in preloads pg_dedup, so the shared filter, its counters and
+/// the launcher are there; no worker serves the test database (`dedup.database` names another), so nothing loads
+/// or purges behind a test's back. `track_functions` lets tests see whether the filter trigger ran.
+#[cfg(test)]
+pub mod pg_test {
+    pub fn setup(_options: Vec<&str>) {}
+
+    pub fn postgresql_conf_options() -> Vec<&'static str> {
+        vec!["shared_preload_libraries = 'pg_dedup'", "dedup.database = 'postgres'", "track_functions = 'all'"]
+    }
+}

@@ -83,3 +83,56 @@ pub unsafe fn AddinShmemInitLock() -> *mut pg_sys::LWLock {
     // SAFETY: the caller vouches that the array exists; 21 is the lock's fixed index in lwlocknames.txt.
     unsafe { &raw mut (*pg_sys::MainLWLockArray.add(21)).lock }
 }
+
+/// `utils/timeout.h`, which pgrx's bindings leave out. `STATEMENT_TIMEOUT` is the fourth `TimeoutId` in every
+/// supported major (13 to 18).
+mod timeout {
+    pub const STATEMENT_TIMEOUT: std::ffi::c_int = 3;
+    extern "C-unwind" {
+        pub fn enable_timeout_after(id: std::ffi::c_int, delay_ms: std::ffi::c_int);
+        pub fn disable_timeout(id: std::ffi::c_int, keep_indicator: bool);
+    }
+}
+
+/// Arms the statement timeout, as postgres.c does at the start of a client's statement (a background worker's
+/// work is not one): after `delay_ms`, the next interrupt check raises 57014 "canceling statement due to statement
+/// timeout".
+pub fn enable_statement_timeout(delay_ms: i32) {
+    // SAFETY: the timeout is registered for every process connected to a database (InitPostgres); any ERROR is
+    // caught at the FFI boundary.
+    unsafe {
+        pg_sys::ffi::pg_guard_ffi_boundary(|| timeout::enable_timeout_after(timeout::STATEMENT_TIMEOUT, delay_ms))
+    }
+}
+
+/// Disarms the statement timeout (nothing happens if it is not armed).
+pub fn disable_statement_timeout() {
+    // SAFETY: as above.
+    unsafe { pg_sys::ffi::pg_guard_ffi_boundary(|| timeout::disable_timeout(timeout::STATEMENT_TIMEOUT, false)) }
+}
+
+#[cfg(any(test, feature = "pg_test"))]
+#[pg_schema]
+mod tests {
+    use crate::testing::*;
+    use pgrx::prelude::*;
+
+    #[pg_test]
+    fn ports_relation_owner_reads_pg_class() {
+        run("CREATE ROLE ports_owner; CREATE TABLE ports_t (x int); ALTER TABLE ports_t OWNER TO ports_owner");
+        let relid = one::<pg_sys::Oid>("SELECT 'ports_t'::regclass::oid");
+        let owner = one::<pg_sys::Oid>("SELECT 'ports_owner'::regrole::oid");
+        assert_eq!(super::relation_owner(relid), Some(owner));
+        assert_eq!(super::relation_owner(pg_sys::Oid::from(4_294_967_000)), None);
+    }
+
+    #[pg_test]
+    fn ports_a_statement_timeout_armed_by_hand_cancels_like_statement_timeout() {
+        super::enable_statement_timeout(50);
+        let (code, message) = error_of("SELECT pg_sleep(5)");
+        super::disable_statement_timeout();
+        assert_eq!(code, PgSqlErrorCode::ERRCODE_QUERY_CANCELED);
+        assert_eq!(message, "canceling statement due to statement timeout");
+        run("SELECT pg_sleep(0.1)");
+    }
+}

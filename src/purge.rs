@@ -8,13 +8,13 @@
 
 use crate::clock::statement_now;
 use crate::errors::server_log;
-use crate::guc;
 use crate::inbox::{self, Access, Inbox, Stmt};
 use crate::shmem::{Counter, WorkerSlot};
 use crate::xact::{self, in_transaction, try_transaction};
+use crate::{guc, ports, rights};
 use pgrx::bgworkers::BackgroundWorker;
 use pgrx::prelude::*;
-use std::ffi::{CStr, CString};
+use std::ffi::CStr;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -42,10 +42,7 @@ pub fn purge_batch(inbox: &Inbox, now: TimestampWithTimeZone, limit: i64, held: 
     let run = |stmt| Spi::connect(|client| inbox.run(client, stmt, &[now.into(), limit.into()]).len()) as i64;
     let deleted = match held {
         HeldRows::WaitBriefly => {
-            let previous = set_lock_timeout(HELD_ROW_PATIENCE);
-            let deleted = run(Stmt::PurgeBatchUnlocked);
-            set_lock_timeout(&previous);
-            deleted
+            guc::with_setting(c"lock_timeout", HELD_ROW_PATIENCE, || run(Stmt::PurgeBatchUnlocked))
         }
         HeldRows::Skip => run(Stmt::PurgeBatch),
     };
@@ -63,21 +60,6 @@ fn purge_batch_in_place(inbox: &Inbox, now: TimestampWithTimeZone, limit: i64) -
         })
     };
     xact::has_room().then(quick).flatten().unwrap_or_else(|| purge_batch(inbox, now, limit, HeldRows::Skip))
-}
-
-/// Sets lock_timeout (undone with the (sub)transaction if it fails); returns the previous value. A C call, not a
-/// SQL statement: it runs twice per batch.
-fn set_lock_timeout(value: &CStr) -> CString {
-    unsafe {
-        let previous = CStr::from_ptr(pg_sys::GetConfigOption(c"lock_timeout".as_ptr(), false, false)).to_owned();
-        pg_sys::SetConfigOption(
-            c"lock_timeout".as_ptr(),
-            value.as_ptr(),
-            pg_sys::GucContext::PGC_USERSET,
-            pg_sys::GucSource::PGC_S_SESSION,
-        );
-        previous
-    }
 }
 
 /// Deletes up to `limit` expired marks of `inbox` (all of them when `None`), batch after batch, in the current
@@ -122,18 +104,21 @@ pub fn purge_cycle(slot: &WorkerSlot, keep_going: impl Fn() -> bool) {
             }
             let batch = |held| {
                 move || {
-                    let inbox = inbox::open(name, Access::Delete);
-                    inbox::as_owner(inbox.relid, || purge_batch(&inbox, statement_now(), limit, held))
+                    with_batch_timeout(|| {
+                        let inbox = inbox::open(name, Access::Delete);
+                        rights::as_table_owner(inbox.relid, || purge_batch(&inbox, statement_now(), limit, held))
+                    })
                 }
             };
             // The quick attempt; if it met a row another transaction holds, it was rolled back: skip held rows.
+            // Anything else that fails (the batch timed out, say) is logged, and the cycle goes on with the next
+            // inbox.
+            let what = format!("purging a batch of inbox \"{name}\"");
             let deleted = match try_transaction(batch(HeldRows::WaitBriefly)) {
                 Ok(deleted) => Some(deleted),
-                Err((PgSqlErrorCode::ERRCODE_LOCK_NOT_AVAILABLE, _)) => {
-                    in_transaction("purging a batch", batch(HeldRows::Skip))
-                }
+                Err((PgSqlErrorCode::ERRCODE_LOCK_NOT_AVAILABLE, _)) => in_transaction(&what, batch(HeldRows::Skip)),
                 Err((_, message)) => {
-                    server_log!("pg_dedup worker: purging a batch failed: {message}");
+                    server_log!("pg_dedup worker: {what} failed: {message}");
                     None
                 }
             };
@@ -154,6 +139,19 @@ pub fn purge_cycle(slot: &WorkerSlot, keep_going: impl Fn() -> bool) {
     slot.last_cycle_rows.store(total, Ordering::Relaxed);
 }
 
+/// Runs one batch of the worker under `dedup.purge_batch_timeout`: past it, the batch is cancelled like a statement
+/// past statement_timeout (57014), whatever it was doing (waiting for a lock, running a slow trigger).
+fn with_batch_timeout<R>(f: impl FnOnce() -> R) -> R {
+    let timeout = guc::PURGE_BATCH_TIMEOUT.get();
+    if timeout > 0 {
+        // Disarmed below, or by `xact::try_transaction` when the batch fails.
+        ports::enable_statement_timeout(timeout);
+    }
+    let result = f();
+    ports::disable_statement_timeout();
+    result
+}
+
 /// After a cycle: nothing left behind, unless the cycle stopped at its cap; then count what waits (bounded).
 fn record_backlog(name: &str, capped: bool) {
     in_transaction("estimating the backlog", || {
@@ -169,4 +167,57 @@ fn record_backlog(name: &str, capped: bool) {
         };
         inbox.set_backlog(backlog);
     });
+}
+
+#[cfg(any(test, feature = "pg_test"))]
+#[pg_schema]
+mod tests {
+    use crate::testing::*;
+    use pgrx::prelude::*;
+
+    fn expired_inbox(name: &str, expired: i64, live: i64) {
+        run(&format!(
+            "SELECT dedup.create_inbox('{name}');
+             INSERT INTO dedup.inbox_{name} SELECT 'e' || g, now() - interval '1 minute' FROM generate_series(1, {expired}) g;
+             INSERT INTO dedup.inbox_{name} SELECT 'l' || g, now() + interval '1 hour' FROM generate_series(1, {live}) g"
+        ));
+    }
+
+    #[pg_test]
+    fn purge_works_through_batches_and_counts_what_it_deleted() {
+        expired_inbox("batches", 25_000, 10);
+        assert_eq!(one::<i64>("SELECT dedup.purge('batches')"), 25_000, "three batches of at most 10,000");
+        assert_eq!(count("dedup.inbox_batches"), 10);
+        assert_eq!(one::<i64>("SELECT purged FROM dedup.stats WHERE inbox = 'batches'"), 25_000);
+    }
+
+    #[pg_test]
+    fn purge_leaves_the_callers_settings_as_they_were() {
+        expired_inbox("settings", 5, 0);
+        run("SET LOCAL lock_timeout = '7s'");
+        run("SELECT dedup.purge('settings')");
+        assert_eq!(one::<String>("SHOW lock_timeout"), "7s");
+        run("SET LOCAL lock_timeout = 0");
+        run("SELECT dedup.purge('settings')");
+        assert_eq!(one::<String>("SHOW lock_timeout"), "0");
+    }
+
+    #[pg_test]
+    fn purge_a_batch_deletes_only_marks_expired_before_now() {
+        expired_inbox("edges", 3, 2);
+        let inbox = crate::inbox::open("edges", crate::inbox::Access::Delete);
+        let now = crate::clock::statement_now();
+        assert_eq!(super::purge_batch(&inbox, now, 2, super::HeldRows::WaitBriefly), 2);
+        assert_eq!(super::purge_batch(&inbox, now, 10, super::HeldRows::Skip), 1);
+        assert_eq!(super::purge_batch(&inbox, now, 10, super::HeldRows::Skip), 0);
+        assert_eq!(count("dedup.inbox_edges"), 2);
+    }
+
+    #[pg_test]
+    fn purge_a_mark_renewed_before_the_purge_survives_it() {
+        expired_inbox("renewed", 1, 0);
+        assert!(one::<bool>("SELECT dedup.mark('e1', '1 hour', 'renewed')"));
+        assert_eq!(one::<i64>("SELECT dedup.purge('renewed')"), 0);
+        assert!(one::<bool>("SELECT dedup.seen('e1', 'renewed')"));
+    }
 }

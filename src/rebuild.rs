@@ -1,15 +1,19 @@
 //! Loading inbox tables into the shared filter: after a restart (nothing is trusted until loaded), for inboxes
-//! created by a restore, and when a rotation makes a fresh generation to shed expired marks.
+//! created by a restore or whose trigger was repaired, and when a rotation makes a fresh generation to shed expired
+//! marks. Also the background worker's upkeep of the filter (`look_after_filter`).
 
-use crate::errors::{internal, raise, server_log};
+use crate::errors::{raise, server_log};
 use crate::filter::{self, RebuildGuard};
-use crate::inbox::{self, Access, Stmt};
-use crate::{guc, shmem};
+use crate::shmem::{self, namespace};
+use crate::trigger::{self, State};
+use crate::{catalog, guc};
 use pgrx::prelude::*;
+use std::cell::RefCell;
+use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 
-/// Rows fetched per round trip of the scan cursor: bounded memory whatever the inbox size.
-const FETCH: i64 = 10_000;
+/// Keys hashed per round of prefetched filter inserts, and rows read between two resets of the scan's memory.
+const BATCH: usize = 4096;
 /// Rotate the filter when its measured rate exceeds the target by this factor.
 const ROTATE_AT: f64 = 1.1;
 /// Seconds between rotations that end above target, doubling from the first to the second.
@@ -20,69 +24,131 @@ const MAX_BACKOFF: u64 = 600;
 pub struct Rebuilt {
     pub inboxes: usize,
     pub keys: i64,
+    /// Inboxes left for a later round: their table was busy, or its trigger is not guarding.
+    pub skipped: Vec<(pg_sys::Oid, Skipped)>,
+}
+
+/// Why an inbox was not loaded.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Skipped {
+    /// Another transaction holds the table in a mode that excludes ours (DDL, TRUNCATE; perhaps prepared).
+    Busy,
+    /// Its filter trigger is not guarding it.
+    Unguarded(State),
+    /// Shared memory holds no more inboxes (`shmem::MAX_INBOXES`).
+    NoRoom,
 }
 
 /// Loads this database's inboxes into the filter: all of them into a fresh generation when `rotate`, otherwise only
-/// those the active generation does not cover yet. None when another process is rebuilding right now.
+/// those the active generation does not cover yet. None when another process is rebuilding right now. Never waits
+/// for another transaction: a table it cannot lock at once is skipped (and stays untrusted until a later load).
 pub fn run(rotate: bool) -> Option<Rebuilt> {
     let guard = filter::try_begin_rebuild()?;
     let target = guard.target(rotate);
-    // Everything from here reads through a snapshot taken now, after the wait in `target`: the caller's snapshot
-    // (taken before it) would miss rows committed meanwhile.
-    unsafe { pg_sys::PushActiveSnapshot(pg_sys::GetLatestSnapshot()) };
-    let inboxes: Vec<(String, pg_sys::Oid)> =
-        inbox::all_names().into_iter().filter_map(|name| inbox::relid(&name).map(|relid| (name, relid))).collect();
-    let relids: Vec<pg_sys::Oid> = inboxes.iter().map(|(_, relid)| *relid).collect();
-    let wanted = if rotate { relids } else { filter::untrusted(&relids) };
-    let mut done = Rebuilt { inboxes: 0, keys: 0 };
-    for (name, relid) in inboxes.iter().filter(|(_, relid)| wanted.contains(relid)) {
-        done.keys += load_inbox(&guard, target, name, *relid);
-        done.inboxes += 1;
+    let tables = catalog::tables();
+    let wanted = if rotate { tables } else { filter::untrusted(&tables) };
+    let mut done = Rebuilt { inboxes: 0, keys: 0, skipped: Vec::new() };
+    for relid in wanted {
+        match load_inbox(&guard, target, relid) {
+            Ok(keys) => {
+                done.keys += keys;
+                done.inboxes += 1;
+            }
+            Err(why) => done.skipped.push((relid, why)),
+        }
     }
-    unsafe { pg_sys::PopActiveSnapshot() };
-    guard.finish(target);
+    guard.finish(target, rotate || done.inboxes > 0);
     Some(done)
 }
 
-/// Loads every row of one inbox (expired ones too: they cost bits, not correctness). The inbox is trusted only if
-/// its filter trigger is in place and enabled: a restore creates the trigger after copying the rows, and rows
-/// copied before it existed are only covered once a load runs after it.
-fn load_inbox(guard: &RebuildGuard, target: usize, name: &str, relid: pg_sys::Oid) -> i64 {
-    let inbox = inbox::open(name, Access::Read);
-    let ns = inbox.ns;
-    let guarded = Spi::get_one_with_args::<bool>(
-        "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_trigger WHERE tgrelid OPERATOR(pg_catalog.=) $1 \
-         AND tgname OPERATOR(pg_catalog.=) 'dedup_filter' AND tgenabled OPERATOR(pg_catalog.=) 'A')",
-        &[relid.into()],
-    )
-    .ok()
-    .flatten()
-    .unwrap_or(false);
-    let keys = inbox::as_owner(relid, || {
-        Spi::connect(|client| {
-            let plan = inbox.plan(client, Stmt::ScanIds);
-            let mut cursor = client.try_open_cursor(plan, &[]).unwrap_or_else(|e| internal("scanning an inbox", e));
-            let mut keys = 0;
-            loop {
-                let rows = cursor.fetch(FETCH).unwrap_or_else(|e| internal("scanning an inbox", e));
-                if rows.is_empty() {
-                    return keys;
-                }
-                for row in rows {
-                    if let Ok(Some(id)) = row.get::<&str>(1) {
-                        guard.load(target, ns, id);
-                        keys += 1;
-                    }
-                }
-                // Each fetch's rows live until the SPI connection ends unless freed: free them batch by batch.
-                unsafe { pg_sys::SPI_freetuptable(pg_sys::SPI_tuptable) };
-            }
-        })
-    });
-    if guarded {
-        guard.loaded(target, ns);
+/// Loads every row of one inbox table (expired ones too: they cost bits, not correctness) and trusts it in
+/// generation `target`, provided its trigger guards it.
+fn load_inbox(guard: &RebuildGuard, target: usize, relid: pg_sys::Oid) -> Result<i64, Skipped> {
+    // RowExclusiveLock, taken only if free right now: while the table is read no one can change its trigger (that
+    // takes ShareRowExclusiveLock), and writers are not held up. The lock lasts until the transaction ends.
+    // SAFETY: a conditional lock by oid, then a check that the table still exists under it.
+    let locked = unsafe {
+        pg_sys::ConditionalLockRelationOid(relid, pg_sys::RowExclusiveLock as pg_sys::LOCKMODE)
+            && pg_sys::SearchSysCacheExists(
+                pg_sys::SysCacheIdentifier::RELOID as i32,
+                relid.into_datum().expect("an oid is a datum"),
+                pg_sys::Datum::from(0),
+                pg_sys::Datum::from(0),
+                pg_sys::Datum::from(0),
+            )
+    };
+    if !locked {
+        return Err(Skipped::Busy);
     }
-    keys
+    let ns = namespace(relid);
+    // SAFETY: the table exists and is locked by this transaction; closed before returning, the lock kept.
+    unsafe {
+        let rel = pg_sys::table_open(relid, pg_sys::NoLock as pg_sys::LOCKMODE);
+        let loaded = match State::of(rel) {
+            State::Guarding if shmem::region().and_then(|h| h.entry(ns, true)).is_some() => {
+                Ok(scan_ids(rel, |hashes| guard.load(target, hashes)))
+            }
+            State::Guarding => Err(Skipped::NoRoom),
+            state => Err(Skipped::Unguarded(state)),
+        };
+        pg_sys::table_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
+        if loaded.is_ok() {
+            guard.loaded(target, ns);
+        }
+        loaded
+    }
+}
+
+/// Reads every row of `rel` with a dirty snapshot — committed rows and those of transactions still in progress,
+/// prepared ones included, whatever this transaction's own snapshot — and hands the keys of their ids to `load` in
+/// batches. Straight from the heap: no SQL runs, so nothing an owner attached to the table runs either. Returns
+/// how many rows it read.
+///
+/// # Safety
+/// `rel` must be an open inbox table.
+unsafe fn scan_ids(rel: pg_sys::Relation, mut load: impl FnMut(&[u64])) -> i64 {
+    let ns = namespace((*rel).rd_id);
+    let mut snapshot: pg_sys::SnapshotData = std::mem::zeroed();
+    snapshot.snapshot_type = pg_sys::SnapshotType::SNAPSHOT_DIRTY;
+    // Detoasted ids (a long one can be compressed) live here, freed every batch.
+    let memory = pg_sys::AllocSetContextCreateExtended(
+        pg_sys::CurrentMemoryContext,
+        c"pg_dedup filter load".as_ptr(),
+        pg_sys::ALLOCSET_DEFAULT_MINSIZE as usize,
+        pg_sys::ALLOCSET_DEFAULT_INITSIZE as usize,
+        pg_sys::ALLOCSET_DEFAULT_MAXSIZE as usize,
+    );
+    let scan = pg_sys::table_beginscan(rel, &mut snapshot, 0, std::ptr::null_mut());
+    let slot = pg_sys::table_slot_create(rel, std::ptr::null_mut());
+    let mut hashes = Vec::with_capacity(BATCH);
+    let mut rows = 0i64;
+    loop {
+        let more = pg_sys::table_scan_getnextslot(scan, pg_sys::ScanDirection::ForwardScanDirection, slot);
+        if more {
+            let mut isnull = false;
+            let id = pg_sys::slot_getattr(slot, 1, &mut isnull);
+            if !isnull {
+                let caller = pg_sys::MemoryContextSwitchTo(memory);
+                let text = pg_sys::pg_detoast_datum_packed(id.cast_mut_ptr());
+                hashes.push(pg_dedup_bloom::hash_key(ns, pgrx::varlena::varlena_to_byte_slice(text)));
+                pg_sys::MemoryContextSwitchTo(caller);
+                rows += 1;
+            }
+        }
+        if hashes.len() == BATCH || (!more && !hashes.is_empty()) {
+            load(&hashes);
+            hashes.clear();
+            pg_sys::MemoryContextReset(memory);
+            pg_sys::check_for_interrupts!();
+        }
+        if !more {
+            break;
+        }
+    }
+    pg_sys::ExecDropSingleTupleTableSlot(slot);
+    pg_sys::table_endscan(scan);
+    pg_sys::MemoryContextDelete(memory);
+    rows
 }
 
 /// `dedup.bloom_rebuild()`: rotate now (fresh generation, reloaded from this database's inboxes).
@@ -95,6 +161,7 @@ fn bloom_rebuild() -> i64 {
             "Add pg_dedup to shared_preload_libraries and restart; until then every call uses the index.",
         )
     }
+    // SAFETY: reads shared state; no preconditions.
     if unsafe { pg_sys::RecoveryInProgress() } {
         raise(
             PgSqlErrorCode::ERRCODE_READ_ONLY_SQL_TRANSACTION,
@@ -103,7 +170,18 @@ fn bloom_rebuild() -> i64 {
         )
     }
     match run(true) {
-        Some(done) => done.keys,
+        Some(done) => {
+            for (relid, why) in &done.skipped {
+                let table = catalog::table_name_of(*relid).unwrap_or_default();
+                let why = match why {
+                    Skipped::Busy => "it is locked by another transaction".to_owned(),
+                    Skipped::Unguarded(state) => format!("its {} trigger is {}", trigger::NAME, state.label()),
+                    Skipped::NoRoom => format!("shared memory holds at most {} inboxes", shmem::MAX_INBOXES),
+                };
+                notice!("dedup: {table} was not loaded into the Bloom filter: {why}; the worker tries again");
+            }
+            done.keys
+        }
         None => raise(
             PgSqlErrorCode::ERRCODE_OBJECT_IN_USE,
             "another process is rebuilding the Bloom filter",
@@ -112,29 +190,45 @@ fn bloom_rebuild() -> i64 {
     }
 }
 
-/// Loads inboxes the active filter generation does not cover; rotates when expired marks have pushed the measured
-/// false-positive rate above target.
+thread_local! {
+    /// What the worker last said about each inbox it could not load: said again only when it changes.
+    static TOLD: RefCell<HashMap<pg_sys::Oid, Skipped>> = RefCell::new(HashMap::new());
+}
+
+/// The background worker's round of filter upkeep: frees the shared state of inbox tables that are gone, repairs
+/// filter triggers that stopped guarding, loads inboxes the active generation does not cover, and rotates when
+/// expired marks have pushed the measured false-positive rate above target. Waits for no other transaction.
 pub fn look_after_filter() {
-    // No inbox locks here: a rotation waits for running transactions, and holding a lock a DDL statement waits
-    // for, while that statement blocks a transaction we wait for, would deadlock.
-    let relids: Vec<pg_sys::Oid> = inbox::all_names().iter().filter_map(|name| inbox::relid(name)).collect();
-    if !filter::untrusted(&relids).is_empty() {
-        if let Some(done) = run(false) {
-            server_log!(
-                "pg_dedup worker: loaded {} marks of {} inbox(es) into the Bloom filter",
-                done.keys,
-                done.inboxes
-            );
+    let Some(region) = shmem::region() else { return };
+    let tables = catalog::tables();
+    // SAFETY: reads a backend global, set once connected.
+    let database = unsafe { pg_sys::MyDatabaseId };
+    region.free_entries(|ns| shmem::database_of(ns) == database && !tables.contains(&shmem::relation_of(ns)));
+    let untrusted = filter::untrusted(&tables);
+    if !untrusted.is_empty() {
+        for &relid in &untrusted {
+            repair_trigger(relid);
         }
-        return;
+        if let Some(done) = run(false) {
+            if done.inboxes > 0 {
+                server_log!(
+                    "pg_dedup worker: loaded {} marks of {} inbox(es) into the Bloom filter",
+                    done.keys,
+                    done.inboxes
+                );
+            }
+            report(&done);
+        }
     }
     let target = guc::BLOOM_FPR.get();
-    let (Some(region), Some(measured)) = (shmem::region(), filter::active_fpr()) else { return };
+    let Some(measured) = filter::active_fpr() else { return };
+    // SAFETY: reads the clock.
     let now = unsafe { pg_sys::GetCurrentTimestamp() };
     if measured <= ROTATE_AT * target || now < region.next_rotation_at.load(Ordering::Relaxed) {
         return;
     }
     let Some(done) = run(true) else { return };
+    report(&done);
     let after = filter::active_fpr().unwrap_or(0.0);
     // A rotation that ends above target (marks arriving faster than it reloads, or more live marks than the filter
     // holds) is not repeated at once: the wait doubles, from MIN_BACKOFF up to MAX_BACKOFF, until one succeeds.
@@ -157,5 +251,95 @@ pub fn look_after_filter() {
             done.keys,
             done.keys * 2
         );
+    }
+}
+
+/// Puts the filter trigger of table `relid` right if it stopped guarding, and says so.
+fn repair_trigger(relid: pg_sys::Oid) {
+    let state = State::of_table(relid);
+    if state == State::Guarding {
+        return;
+    }
+    let Some(table) = catalog::table_name_of(relid) else { return };
+    if trigger::repair(&table, state) {
+        server_log!(
+            "pg_dedup worker: repaired the {} trigger of {table} (it was {}); reloading it",
+            trigger::NAME,
+            state.label()
+        );
+        TOLD.with(|told| told.borrow_mut().remove(&relid));
+    }
+}
+
+/// Logs why inboxes were skipped, once per inbox and reason.
+fn report(done: &Rebuilt) {
+    for &(relid, why) in &done.skipped {
+        if TOLD.with(|told| told.borrow_mut().insert(relid, why)) == Some(why) {
+            continue;
+        }
+        let table = catalog::table_name_of(relid).unwrap_or_else(|| format!("relation {}", relid.to_u32()));
+        match why {
+            Skipped::Busy => server_log!(
+                "pg_dedup worker: {table} is locked by another transaction; the Bloom filter does not answer for it \
+                 until a later load can read it"
+            ),
+            Skipped::Unguarded(state) => server_log!(
+                "pg_dedup worker: the {} trigger of {table} is {} and could not be repaired yet; the Bloom filter \
+                 does not answer for it meanwhile",
+                trigger::NAME,
+                state.label()
+            ),
+            Skipped::NoRoom => server_log!(
+                "pg_dedup worker: shared memory holds state for at most {} inboxes; the Bloom filter does not answer \
+                 for {table} and its counters stay empty (drop unused inboxes)",
+                shmem::MAX_INBOXES
+            ),
+        }
+    }
+}
+
+#[cfg(any(test, feature = "pg_test"))]
+#[pg_schema]
+mod tests {
+    use crate::testing::*;
+    use pgrx::prelude::*;
+
+    fn trusted(inbox: &str) -> bool {
+        one::<bool>(&format!("SELECT filter_trusted FROM dedup.stats WHERE inbox = '{inbox}'"))
+    }
+
+    #[pg_test]
+    fn rebuild_a_rotation_reloads_every_inbox_into_a_fresh_generation() {
+        run("SELECT dedup.create_inbox('rb_rotate')");
+        run("SELECT * FROM dedup.mark_many((SELECT array_agg('r' || g) FROM generate_series(1, 500) g), NULL, 'rb_rotate')");
+        let rebuilds = one::<i64>("SELECT filter_rebuilds FROM dedup.filter_stats()");
+        let keys = one::<i64>("SELECT dedup.bloom_rebuild()");
+        assert!(keys >= 500, "the rows of this transaction are read too: {keys}");
+        assert_eq!(one::<i64>("SELECT filter_rebuilds FROM dedup.filter_stats()"), rebuilds + 1);
+        assert!(trusted("rb_rotate"));
+        assert_eq!(count("generate_series(1, 500) g WHERE NOT dedup.seen('r' || g, 'rb_rotate')"), 0);
+    }
+
+    #[pg_test]
+    fn rebuild_a_catch_up_load_trusts_only_what_it_loaded() {
+        run("SELECT dedup.create_inbox('rb_catch_up')");
+        let relid = one::<pg_sys::Oid>("SELECT 'dedup.inbox_rb_catch_up'::regclass::oid");
+        crate::filter::untrust(crate::shmem::namespace(relid));
+        assert!(!trusted("rb_catch_up"));
+        assert!(crate::filter::untrusted(&[relid]) == [relid]);
+        let done = super::run(false).expect("no other rebuild runs");
+        assert!(done.inboxes >= 1);
+        assert!(trusted("rb_catch_up"));
+        assert!(crate::filter::untrusted(&[relid]).is_empty());
+    }
+
+    #[pg_test]
+    fn rebuild_only_one_process_rebuilds_at_a_time() {
+        let guard = crate::filter::try_begin_rebuild().expect("free");
+        assert!(super::run(false).is_none(), "a second rebuild steps aside");
+        assert_dedup_error("SELECT dedup.bloom_rebuild()", PgSqlErrorCode::ERRCODE_OBJECT_IN_USE);
+        assert_eq!(one::<String>("SELECT filter_state FROM dedup.filter_stats()"), "rebuilding");
+        drop(guard);
+        assert!(super::run(false).is_some());
     }
 }

@@ -7,13 +7,15 @@ use crate::ports;
 use pg_dedup_bloom::WORDS_PER_BLOCK;
 use pgrx::prelude::*;
 use std::cell::Cell;
-use std::sync::atomic::{AtomicI32, AtomicI64, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicI64, AtomicU32, AtomicU64, Ordering};
 
-/// Inboxes (across all databases) whose state and counters the region can hold.
-const MAX_INBOXES: usize = 4096;
+/// Inboxes (across all databases) whose state and counters the region can hold at once.
+pub const MAX_INBOXES: usize = 4096;
 /// Databases the background workers can serve at once.
 pub const MAX_DATABASES: usize = 64;
 const MAGIC: u64 = 0x7067_5f64_6564_7570; // "pg_dedup"
+/// The key of an entry that was freed: searches go on past it, and a new inbox may take it.
+const TOMBSTONE: u64 = u64::MAX;
 
 macro_rules! counters {
     ($($name:ident,)*) => {
@@ -40,7 +42,7 @@ counters! {
 
 #[repr(C)]
 pub struct Entry {
-    /// `namespace()` of the inbox (database and table), 0 when the slot is free.
+    /// `namespace()` of the inbox (database and table); 0 for a slot never used, TOMBSTONE for one freed.
     key: AtomicU64,
     /// For each filter generation, the generation epoch in which this inbox's rows were loaded into it.
     pub loaded: [AtomicU64; 2],
@@ -50,6 +52,12 @@ pub struct Entry {
 }
 
 impl Entry {
+    /// Does this entry (still) belong to inbox `ns`? An entry is freed when its table goes, and may then be taken
+    /// by another inbox.
+    pub fn holds(&self, ns: u64) -> bool {
+        self.key.load(Ordering::Acquire) == ns
+    }
+
     pub fn add(&self, counter: Counter, n: u64) {
         self.counters[counter as usize].fetch_add(n, Ordering::Relaxed);
     }
@@ -89,6 +97,8 @@ pub struct Header {
     pub next_rotation_at: AtomicI64,
     /// Seconds to wait after the next rotation if it, too, ends above target.
     pub rotation_backoff: AtomicU64,
+    /// Taken to claim or free entries (lookups take nothing): a spin lock, held only for a scan of the entries.
+    entries_lock: AtomicBool,
     entries: [Entry; MAX_INBOXES],
     workers: [WorkerSlot; MAX_DATABASES],
 }
@@ -199,27 +209,67 @@ impl Header {
         }
     }
 
-    /// The entry of inbox `ns`, claimed when `create` and free slots remain. Open addressing with linear probing;
-    /// entries are never freed, so the first free slot ends a search.
-    pub fn entry(&'static self, ns: u64, create: bool) -> Option<&'static Entry> {
+    /// The slots an inbox's entry may occupy, in search order (open addressing with linear probing).
+    fn probe(&'static self, ns: u64) -> impl Iterator<Item = &'static Entry> {
         let start = (pg_dedup_bloom::hash_key(0, &ns.to_le_bytes()) as usize) % MAX_INBOXES;
-        for i in 0..MAX_INBOXES {
-            let e = &self.entries[(start + i) % MAX_INBOXES];
-            let mut key = e.key.load(Ordering::Acquire);
-            if key == 0 && create {
-                key = match e.key.compare_exchange(0, ns, Ordering::AcqRel, Ordering::Acquire) {
-                    Ok(_) => ns,
-                    Err(other) => other,
-                };
-            }
-            if key == ns {
-                return Some(e);
-            }
-            if key == 0 {
-                return None;
+        (0..MAX_INBOXES).map(move |i| &self.entries[(start + i) % MAX_INBOXES])
+    }
+
+    /// The entry of inbox `ns`, claimed when `create` and a slot is free (None when all are taken). A search ends
+    /// at a slot never used; freed slots are passed over, and reused by claims.
+    pub fn entry(&'static self, ns: u64, create: bool) -> Option<&'static Entry> {
+        for e in self.probe(ns) {
+            match e.key.load(Ordering::Acquire) {
+                key if key == ns => return Some(e),
+                0 => break,
+                _ => {}
             }
         }
-        None
+        if !create {
+            return None;
+        }
+        let _locked = self.lock_entries();
+        let mut free = None;
+        for e in self.probe(ns) {
+            match e.key.load(Ordering::Acquire) {
+                key if key == ns => return Some(e), // claimed meanwhile
+                0 => {
+                    free = free.or(Some(e));
+                    break;
+                }
+                TOMBSTONE => free = free.or(Some(e)),
+                _ => {}
+            }
+        }
+        let e = free?;
+        // A fresh start: trusted in no generation, nothing counted; published only then.
+        e.loaded.iter().for_each(|l| l.store(0, Ordering::Relaxed));
+        e.counters.iter().for_each(|c| c.store(0, Ordering::Relaxed));
+        e.backlog.store(-1, Ordering::Relaxed);
+        e.key.store(ns, Ordering::Release);
+        Some(e)
+    }
+
+    /// Frees the entries of the inboxes `gone` says no longer exist; returns how many.
+    pub fn free_entries(&'static self, gone: impl Fn(u64) -> bool) -> usize {
+        let _locked = self.lock_entries();
+        let mut freed = 0;
+        for e in &self.entries {
+            let key = e.key.load(Ordering::Acquire);
+            if key != 0 && key != TOMBSTONE && gone(key) {
+                e.key.store(TOMBSTONE, Ordering::Release);
+                freed += 1;
+            }
+        }
+        freed
+    }
+
+    fn lock_entries(&'static self) -> EntriesLocked {
+        while self.entries_lock.compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed).is_err() {
+            std::hint::spin_loop();
+            std::thread::yield_now();
+        }
+        EntriesLocked(&self.entries_lock)
     }
 
     /// The slot of database `db`'s worker, claimed when `create` and free slots remain.
@@ -237,10 +287,82 @@ impl Header {
     }
 }
 
+/// Holds `Header::entries_lock` until dropped.
+struct EntriesLocked(&'static AtomicBool);
+
+impl Drop for EntriesLocked {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
+}
+
+/// The database an inbox key (`namespace()`) belongs to.
+pub fn database_of(ns: u64) -> pg_sys::Oid {
+    pg_sys::Oid::from((ns >> 32) as u32)
+}
+
+/// The table an inbox key (`namespace()`) stands for, in its database.
+pub fn relation_of(ns: u64) -> pg_sys::Oid {
+    pg_sys::Oid::from(ns as u32)
+}
+
 /// The key namespace of an inbox table of the current database: its database and table, so equal ids in two
 /// inboxes are two keys and a re-created inbox (a new table) starts clean.
 pub fn namespace(relid: pg_sys::Oid) -> u64 {
     // SAFETY: reads a backend global, set once the backend is connected.
     let db = unsafe { pg_sys::MyDatabaseId };
     (u64::from(db.to_u32()) << 32) | u64::from(relid.to_u32())
+}
+
+#[cfg(any(test, feature = "pg_test"))]
+#[pg_schema]
+mod tests {
+    use super::*;
+
+    /// An inbox key no real table has: relation oid 4294967290 of this database.
+    fn made_up(n: u32) -> u64 {
+        namespace(pg_sys::Oid::from(4_294_967_290 - n))
+    }
+
+    #[pg_test]
+    fn shmem_entries_are_claimed_found_and_freed() {
+        let h = region().expect("preloaded");
+        let ns = made_up(0);
+        assert!(h.entry(ns, false).is_none());
+        let e = h.entry(ns, true).expect("a free slot");
+        assert!(e.holds(ns));
+        e.add(Counter::Marks, 5);
+        assert_eq!(h.entry(ns, false).unwrap().get(Counter::Marks), 5);
+        assert_eq!(h.free_entries(|key| key == ns), 1);
+        assert!(!e.holds(ns), "a freed entry no longer belongs to the inbox");
+        assert!(h.entry(ns, false).is_none());
+        let again = h.entry(ns, true).unwrap();
+        assert_eq!(again.get(Counter::Marks), 0, "a claimed slot starts from zero");
+        assert_eq!(again.backlog.load(Ordering::Relaxed), -1);
+        h.free_entries(|key| key == ns);
+    }
+
+    #[pg_test]
+    fn shmem_a_search_goes_on_past_freed_slots() {
+        let h = region().unwrap();
+        let keys: Vec<u64> = (1..40).map(made_up).collect();
+        for &k in &keys {
+            h.entry(k, true).unwrap();
+        }
+        // Free every other one; the rest must still be found whatever slots their searches pass.
+        h.free_entries(|key| keys.iter().step_by(2).any(|k| *k == key));
+        for (i, &k) in keys.iter().enumerate() {
+            assert_eq!(h.entry(k, false).is_some(), i % 2 == 1, "key {i}");
+        }
+        h.free_entries(|key| keys.contains(&key));
+    }
+
+    #[pg_test]
+    fn shmem_keys_name_their_database_and_table() {
+        let relid = pg_sys::Oid::from(12345);
+        let ns = namespace(relid);
+        assert_eq!(relation_of(ns), relid);
+        // SAFETY: reads a backend global, set once connected.
+        assert_eq!(database_of(ns), unsafe { pg_sys::MyDatabaseId });
+    }
 }

@@ -1,8 +1,8 @@
 //! `dedup.stats`: one row per inbox of this database with its counters, plus the filter-wide figures. Counters live
 //! in shared memory and last until the server restarts, like pg_stat_statements (NULL without preloading).
 
-use crate::filter::{self, Trusted};
-use crate::inbox::{self, Access};
+use crate::filter;
+use crate::inbox::{self, Access, Inbox};
 use crate::shmem::{self, Counter};
 use pgrx::prelude::*;
 use std::sync::atomic::Ordering;
@@ -16,11 +16,11 @@ struct Figures {
 }
 
 impl Figures {
-    fn of(ns: u64) -> Option<Figures> {
+    fn of(inbox: &Inbox) -> Option<Figures> {
         let region = shmem::region()?;
-        let counters = region.entry(ns, false);
+        let counters = region.entry(inbox.ns, false).filter(|e| e.holds(inbox.ns));
         let backlog = counters.map(|e| e.backlog.load(Ordering::Relaxed)).filter(|b| *b >= 0);
-        Some(Figures { counters, backlog, trusted: Trusted::for_inbox(ns).is_some() })
+        Some(Figures { counters, backlog, trusted: inbox.filter().is_some() })
     }
 
     fn get(&self, counter: Counter) -> Option<i64> {
@@ -44,24 +44,30 @@ fn inbox_stats() -> TableIterator<
         name!(certainly_new, Option<i64>),
         name!(false_positives, Option<i64>),
         name!(filter_trusted, bool),
+        name!(filter_trigger, String),
     ),
 > {
     let rows: Vec<_> = inbox::all_names()
         .into_iter()
-        .map(|name| match Figures::of(inbox::open(&name, Access::Read).ns) {
-            Some(f) => (
-                name,
-                f.get(Counter::Marks),
-                f.get(Counter::Duplicates),
-                f.get(Counter::Renewals),
-                f.get(Counter::Purged),
-                f.backlog,
-                f.get(Counter::Lookups),
-                f.get(Counter::CertainlyNew),
-                f.get(Counter::FalsePositives),
-                f.trusted,
-            ),
-            None => (name, None, None, None, None, None, None, None, None, false),
+        .map(|name| {
+            let inbox = inbox::open(&name, Access::Read);
+            let trigger = inbox.shape().trigger.label().to_owned();
+            match Figures::of(&inbox) {
+                Some(f) => (
+                    name,
+                    f.get(Counter::Marks),
+                    f.get(Counter::Duplicates),
+                    f.get(Counter::Renewals),
+                    f.get(Counter::Purged),
+                    f.backlog,
+                    f.get(Counter::Lookups),
+                    f.get(Counter::CertainlyNew),
+                    f.get(Counter::FalsePositives),
+                    f.trusted,
+                    trigger,
+                ),
+                None => (name, None, None, None, None, None, None, None, None, false, trigger),
+            }
         })
         .collect();
     TableIterator::new(rows)
@@ -128,4 +134,46 @@ fn worker_stats() -> TableIterator<
         None => (None, None, None, None, None),
     };
     TableIterator::once(row)
+}
+
+#[cfg(any(test, feature = "pg_test"))]
+#[pg_schema]
+mod tests {
+    use crate::testing::*;
+    use pgrx::prelude::*;
+
+    #[pg_test]
+    fn stats_show_one_row_per_inbox_with_its_counters() {
+        run("SELECT dedup.create_inbox('st_one'); SELECT dedup.create_inbox('st_two')");
+        run("SELECT dedup.mark('a', NULL, 'st_one'); SELECT dedup.mark('a', NULL, 'st_one'); SELECT dedup.mark('b', NULL, 'st_one')");
+        assert_eq!(count("dedup.stats WHERE inbox IN ('st_one', 'st_two')"), 2);
+        let row = |inbox: &str| {
+            one::<String>(&format!(
+                "SELECT format('%s %s %s %s %s', marks, duplicates, renewals, purged, filter_trigger) FROM dedup.stats \
+                 WHERE inbox = '{inbox}'"
+            ))
+        };
+        assert_eq!(row("st_one"), "2 1 0 0 ok");
+        assert_eq!(row("st_two"), "0 0 0 0 ok");
+    }
+
+    #[pg_test]
+    fn stats_show_the_filter_and_the_worker() {
+        assert_eq!(one::<String>("SELECT filter_state FROM dedup.filter_stats()"), "ready");
+        assert!(one::<i64>("SELECT filter_memory_bytes FROM dedup.filter_stats()") > 0);
+        assert_eq!(one::<i64>("SELECT filter_capacity FROM dedup.filter_stats()"), 1_000_000);
+        assert!(one::<f64>("SELECT filter_target_fpr FROM dedup.filter_stats()") > 0.0);
+        // No worker serves the test database (dedup.database names another).
+        assert_eq!(count("dedup.worker_stats() WHERE worker_pid IS NULL"), 1);
+    }
+
+    #[pg_test]
+    fn stats_say_when_the_filter_trigger_stopped_guarding() {
+        run("SELECT dedup.create_inbox('st_trigger')");
+        run("ALTER TABLE dedup.inbox_st_trigger DISABLE TRIGGER dedup_filter");
+        assert_eq!(
+            one::<String>("SELECT filter_trigger || ' ' || filter_trusted FROM dedup.stats WHERE inbox = 'st_trigger'"),
+            "disabled false"
+        );
+    }
 }

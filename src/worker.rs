@@ -46,9 +46,20 @@ pub extern "C-unwind" fn pg_dedup_launcher_main(_arg: pg_sys::Datum) {
         // launcher started it. One that stopped otherwise (crashed, terminated, its database dropped) is started
         // again below.
         workers.retain(|_, worker| !matches!(worker.pid(), Err(BackgroundWorkerStatus::Stopped)));
+        let Some(databases) = in_transaction("listing databases", databases) else {
+            if !BackgroundWorker::wait_latch(Some(NAP)) {
+                exit_for_restart();
+            }
+            continue;
+        };
+        // Inbox state in shared memory of databases that were dropped (each database's worker frees that of its
+        // own dropped tables).
+        if let Some(region) = shmem::region() {
+            region.free_entries(|ns| !databases.iter().any(|(_, oid)| *oid == shmem::database_of(ns)));
+        }
         let unserved: Vec<&String> = wanted.iter().filter(|name| !workers.contains_key(*name)).collect();
         for name in unserved {
-            let oid = in_transaction("looking up a database", || database_oid(name)).flatten();
+            let oid = databases.iter().find(|(db, _)| db == name).map(|(_, oid)| *oid);
             match oid {
                 // A worker an earlier launcher started (before a pg_terminate_backend of the launcher) still serves
                 // it: starting another would only see that worker and leave, again every second.
@@ -85,23 +96,23 @@ fn exit_for_restart() -> ! {
     unreachable!("proc_exit does not return")
 }
 
-/// The oid of database `name`. The launcher is connected to no database, so it can read the shared catalog
+/// Every database: name and oid. The launcher is connected to no database, so it can read the shared catalog
 /// pg_database only by a plain heap scan (no index, no syscache), as the autovacuum launcher does.
-fn database_oid(name: &str) -> Option<pg_sys::Oid> {
+fn databases() -> Vec<(String, pg_sys::Oid)> {
+    // SAFETY: a catalog scan in a transaction, opened and closed here; tuples are only read while the scan is on
+    // them.
     unsafe {
         let rel = pg_sys::table_open(pg_sys::DatabaseRelationId, pg_sys::AccessShareLock as pg_sys::LOCKMODE);
         let scan = pg_sys::table_beginscan_catalog(rel, 0, std::ptr::null_mut());
-        let mut found = None;
+        let mut found = Vec::new();
         loop {
             let tuple = pg_sys::heap_getnext(scan, pg_sys::ScanDirection::ForwardScanDirection);
             if tuple.is_null() {
                 break;
             }
             let form = ports::GETSTRUCT::<pg_sys::FormData_pg_database>(tuple);
-            if std::ffi::CStr::from_ptr((*form).datname.data.as_ptr()).to_bytes() == name.as_bytes() {
-                found = Some((*form).oid);
-                break;
-            }
+            let name = std::ffi::CStr::from_ptr((*form).datname.data.as_ptr()).to_string_lossy().into_owned();
+            found.push((name, (*form).oid));
         }
         pg_sys::table_endscan(scan);
         pg_sys::table_close(rel, pg_sys::AccessShareLock as pg_sys::LOCKMODE);
@@ -143,6 +154,17 @@ pub extern "C-unwind" fn pg_dedup_worker_main(arg: pg_sys::Datum) {
     BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
     let db = unsafe { pg_sys::Oid::from_datum(arg, false) }.expect("the launcher passes a database oid");
     BackgroundWorker::connect_worker_to_spi_by_oid(Some(db), None);
+    // Whatever `ALTER DATABASE ... SET search_path` says, the worker (a superuser) resolves names in pg_catalog
+    // only; every statement it runs is schema-qualified besides.
+    // SAFETY: sets a setting of this process, before any transaction.
+    unsafe {
+        pg_sys::SetConfigOption(
+            c"search_path".as_ptr(),
+            c"pg_catalog, pg_temp".as_ptr(),
+            pg_sys::GucContext::PGC_SUSET,
+            pg_sys::GucSource::PGC_S_OVERRIDE,
+        )
+    };
     let me = unsafe { pg_sys::MyProcPid };
     let Some(slot) = shmem::region().and_then(|r| r.worker_slot(db, true)) else {
         server_log!("pg_dedup worker: no free worker slot (at most {} databases); exiting", shmem::MAX_DATABASES);
@@ -177,10 +199,12 @@ pub extern "C-unwind" fn pg_dedup_worker_main(arg: pg_sys::Datum) {
             return; // exit code 0: the postmaster does not start it again
         }
         let installed = in_transaction("checking for the extension", || {
-            Spi::get_one::<bool>("SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_extension WHERE extname = 'pg_dedup')")
-                .ok()
-                .flatten()
-                .unwrap_or(false)
+            Spi::get_one::<bool>(
+                "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_extension WHERE extname OPERATOR(pg_catalog.=) 'pg_dedup')",
+            )
+            .ok()
+            .flatten()
+            .unwrap_or(false)
         })
         .unwrap_or(false);
         if !installed && !told_missing {

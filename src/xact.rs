@@ -22,6 +22,29 @@ pub fn has_room() -> bool {
 /// Runs `body` in a subtransaction. If it raises `expected`, the subtransaction is rolled back — undoing
 /// everything `body` did — and None is returned; any other error rolls it back too and propagates.
 pub fn undo_on<R>(expected: PgSqlErrorCode, body: impl FnOnce() -> R) -> Option<R> {
+    match subtransaction(body) {
+        Ok(result) => Some(result),
+        Err(error) if code_of(&error) == expected => None,
+        Err(error) => error.rethrow(),
+    }
+}
+
+/// The SQLSTATE of a caught error.
+pub fn code_of(error: &pg_sys::panic::CaughtError) -> PgSqlErrorCode {
+    report_of(error).sql_error_code()
+}
+
+/// The report of a caught error, whatever raised it.
+pub fn report_of(error: &pg_sys::panic::CaughtError) -> &pg_sys::panic::ErrorReportWithLevel {
+    match error {
+        pg_sys::panic::CaughtError::PostgresError(e) | pg_sys::panic::CaughtError::ErrorReport(e) => e,
+        pg_sys::panic::CaughtError::RustPanic { ereport, .. } => ereport,
+    }
+}
+
+/// Runs `body` in a subtransaction: kept if it returns, rolled back — undoing everything it did — if it raises an
+/// ERROR, which comes back as Err (the transaction goes on as it was before).
+pub fn subtransaction<R>(body: impl FnOnce() -> R) -> Result<R, pg_sys::panic::CaughtError> {
     // Whatever `body` touched in Postgres is undone by the rollback; Rust state it shares (the plan cache) stays
     // valid across an unwind.
     let body = std::panic::AssertUnwindSafe(body);
@@ -45,20 +68,13 @@ pub fn undo_on<R>(expected: PgSqlErrorCode, body: impl FnOnce() -> R) -> Option<
         // SAFETY: the subtransaction begun above is the current one.
         unsafe { pg_sys::ReleaseCurrentSubTransaction() };
         restore();
-        Some(result)
-    })
-    .catch_when(expected, |_| {
-        // SAFETY: as above.
-        unsafe { pg_sys::RollbackAndReleaseCurrentSubTransaction() };
-        restore();
-        None
+        Ok(result)
     })
     .catch_others(|error| {
-        // Leave the transaction as we found it, then let the error go on to the caller.
         // SAFETY: as above.
         unsafe { pg_sys::RollbackAndReleaseCurrentSubTransaction() };
         restore();
-        error.rethrow()
+        Err(error)
     })
     .execute()
 }
@@ -84,12 +100,11 @@ pub fn try_transaction<R>(body: impl FnOnce() -> R + std::panic::UnwindSafe) -> 
         Ok(result)
     })
     .catch_others(|caught| {
-        let report = match &caught {
-            pg_sys::panic::CaughtError::PostgresError(e) | pg_sys::panic::CaughtError::ErrorReport(e) => e,
-            pg_sys::panic::CaughtError::RustPanic { ereport, .. } => ereport,
-        };
+        let report = report_of(&caught);
         let error = (report.sql_error_code(), report.message().to_owned());
-        // SAFETY: aborting releases the snapshot and everything else the transaction held.
+        // SAFETY: aborting releases the snapshot and everything else the transaction held; a statement timeout the
+        // body armed (purge batches) must not fire in the next transaction.
+        ports::disable_statement_timeout();
         unsafe {
             pg_sys::AbortCurrentTransaction();
             pg_sys::MemoryContextSwitchTo(context);
@@ -102,4 +117,41 @@ pub fn try_transaction<R>(body: impl FnOnce() -> R + std::panic::UnwindSafe) -> 
 /// `try_transaction`, logging an ERROR (with `what`) and turning it into None.
 pub fn in_transaction<R>(what: &str, body: impl FnOnce() -> R + std::panic::UnwindSafe) -> Option<R> {
     try_transaction(body).map_err(|(_, message)| server_log!("pg_dedup worker: {what} failed: {message}")).ok()
+}
+
+#[cfg(any(test, feature = "pg_test"))]
+#[pg_schema]
+mod tests {
+    use super::*;
+    use crate::testing::*;
+
+    #[pg_test]
+    fn xact_a_subtransaction_keeps_its_work_or_undoes_it() {
+        run("CREATE TABLE xact_t (x int)");
+        subtransaction(|| run("INSERT INTO xact_t VALUES (1)")).expect("no error");
+        let failed = subtransaction(|| run("INSERT INTO xact_t VALUES (2); SELECT 1 / 0"));
+        assert_eq!(code_of(&failed.expect_err("division by zero")), PgSqlErrorCode::ERRCODE_DIVISION_BY_ZERO);
+        assert_eq!(count("xact_t"), 1, "the failed subtransaction's insert was undone");
+    }
+
+    #[pg_test]
+    fn xact_undo_on_swallows_only_the_expected_error() {
+        run("CREATE TABLE xact_u (x int PRIMARY KEY); INSERT INTO xact_u VALUES (1)");
+        let undone = undo_on(PgSqlErrorCode::ERRCODE_UNIQUE_VIOLATION, || run("INSERT INTO xact_u VALUES (2), (1)"));
+        assert!(undone.is_none());
+        assert_eq!(count("xact_u"), 1);
+        let other = subtransaction(|| undo_on(PgSqlErrorCode::ERRCODE_UNIQUE_VIOLATION, || run("SELECT 1 / 0")));
+        assert_eq!(code_of(&other.expect_err("propagated")), PgSqlErrorCode::ERRCODE_DIVISION_BY_ZERO);
+    }
+
+    #[pg_test]
+    fn xact_room_for_subtransactions_runs_out_at_half_the_cache() {
+        assert!(has_room());
+        run("CREATE TABLE xact_room (x int)");
+        // Subtransactions that wrote keep their ids in the backend's cache until the transaction ends.
+        for i in 0..40 {
+            subtransaction(|| run(&format!("INSERT INTO xact_room VALUES ({i})"))).unwrap();
+        }
+        assert!(!has_room(), "32 of 64 slots used: no room for optional subtransactions");
+    }
 }

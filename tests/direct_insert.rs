@@ -1,7 +1,7 @@
 //! The direct insert (preloaded servers): ids the filter calls certainly new go straight into the heap and
 //! indexes — a batch by one multi-insert, fewer ids by speculative insertion — without the executor and without
-//! firing the table's filter trigger; and anything it cannot vouch for (a row the filter never saw, a concurrent
-//! claim of the same id, another trigger on the table) goes the ordinary way, with the same answers.
+//! firing the table's filter trigger; and anything it cannot vouch for (a concurrent claim of the same id, another
+//! trigger on the table) goes the ordinary way, with the same answers.
 
 use pg_dedup_harness::postgres::Client;
 use pg_dedup_tests::*;
@@ -27,16 +27,6 @@ fn trigger_calls(c: &mut Client) -> i64 {
 
 fn mark_many(c: &mut Client, ids: &[&str], inbox: &str) -> Vec<String> {
     c.query("SELECT * FROM dedup.mark_many($1, NULL, $2)", &[&ids, &inbox]).unwrap().iter().map(|r| r.get(0)).collect()
-}
-
-/// Puts a row into an inbox behind the filter's back (trigger disabled), as a broken restore would.
-fn insert_unseen(c: &mut Client, table: &str, id: &str) {
-    c.batch_execute(&format!(
-        "ALTER TABLE {table} DISABLE TRIGGER dedup_filter;
-         INSERT INTO {table} VALUES ('{id}', now() + interval '1 hour');
-         ALTER TABLE {table} ENABLE ALWAYS TRIGGER dedup_filter;"
-    ))
-    .unwrap();
 }
 
 /// `n` ids `prefix-0`, `prefix-1`, ...: enough for the bulk insert from 8 on.
@@ -68,30 +58,56 @@ fn certainly_new_ids_bypass_the_executor_and_still_reach_the_filter() {
     assert_no_resource_leaks(&cluster);
 }
 
-#[test]
-fn a_row_the_filter_never_saw_sends_the_call_the_ordinary_way() {
-    let (cluster, mut c) = server("bulk_fallback");
-    insert_unseen(&mut c, "dedup.inbox_default", "hidden");
-    let new = ids("new", 10);
-    let mut call = strs(&new);
-    call.insert(5, "hidden");
-    c.batch_execute("BEGIN; CREATE TABLE ledger (id text)").unwrap();
-    // The filter says "certainly new" for all eleven; the unique index says otherwise for one, the batch is
-    // undone, each id is tried on its own, and the ordinary claim answers for the one with a row — inside the
-    // caller's transaction, which goes on unharmed.
-    assert_eq!(trigger_calls(&mut c), 0);
-    assert_eq!(mark_many(&mut c, &call, "default"), new);
-    assert_eq!(trigger_calls(&mut c), 1, "only the id with a row took the executor after the undone batch");
-    c.batch_execute("INSERT INTO ledger VALUES ('done'); COMMIT").unwrap();
-    assert_eq!(count(&mut c, "ledger"), 1);
-    assert_eq!(count(&mut c, "dedup.inbox_default"), 11);
+/// Session A marks `hidden` and holds its transaction open; session B marks ten new ids and `hidden` in one call.
+/// B's lookup cannot see A's row, so all eleven go to the multi-insert, whose unique check waits for A. Returns B's
+/// new ids, the rows of the table afterwards, and how often B's executor fired the filter trigger.
+fn batch_behind_an_open_claim(db: &str, finish_first: &str) -> (Vec<String>, i64, i64) {
+    let (cluster, mut first) = server(db);
+    let mut observer = cluster.connect(db);
+    first.batch_execute("BEGIN").unwrap();
+    assert!(mark(&mut first, "hidden"));
+    let mut second = cluster.connect(db);
+    let pid = backend_pid(&mut second);
+    let waiter = std::thread::spawn(move || {
+        let new = ids("new", 10);
+        let mut call = strs(&new);
+        call.insert(5, "hidden");
+        second.batch_execute("BEGIN; CREATE TABLE ledger (id text)").unwrap();
+        let said = mark_many(&mut second, &call, "default");
+        let calls = trigger_calls(&mut second);
+        // The caller's transaction goes on unharmed after the undone batch.
+        second.batch_execute("INSERT INTO ledger VALUES ('done'); COMMIT").unwrap();
+        assert_eq!(count(&mut second, "ledger"), 1);
+        (said, calls)
+    });
+    wait_until_blocked(&mut observer, pid);
+    first.batch_execute(finish_first).unwrap();
+    let (said, calls) = waiter.join().expect("the waiting mark_many() must not fail");
     assert_no_resource_leaks(&cluster);
+    (said, count(&mut observer, "dedup.inbox_default"), calls)
+}
+
+#[test]
+fn a_batch_that_meets_a_concurrent_claim_is_undone_and_goes_id_by_id() {
+    // A commits: the unique check raises unique_violation, the batch is undone, each id is tried on its own, and
+    // the ordinary claim answers for `hidden` (a duplicate: no row, so no trigger call).
+    let (said, rows, calls) = batch_behind_an_open_claim("bulk_fallback_commit", "COMMIT");
+    assert_eq!(said, ids("new", 10), "every new id, and not `hidden`");
+    assert_eq!(rows, 11, "one row per id, none twice");
+    assert_eq!(calls, 0, "the ten new ids went in directly after the undone batch");
+    // A rolls back: the unique check finds nothing once A is gone, and the batch goes through whole.
+    let (said, rows, calls) = batch_behind_an_open_claim("bulk_fallback_rollback", "ROLLBACK");
+    let mut all = ids("new", 10);
+    all.insert(5, "hidden".to_owned());
+    assert_eq!(said, all);
+    assert_eq!(rows, 11);
+    assert_eq!(calls, 0, "the batch wrote every row");
 }
 
 /// Session A marks `x` directly and holds its transaction open; session B then marks `x`. B's filter says "maybe"
 /// (A set the bits), B's lookup sees no committed row, so B tries the speculative insertion: the unique index holds
 /// A's entry, B's row is killed on the spot and B's ordinary claim waits for A. Returns B's answer and how often
-/// B's executor fired the filter trigger.
+/// B's executor fired the filter trigger (it fires only for a row the executor wrote).
 fn claim_behind_an_open_direct_insert(db: &str, finish_first: &str) -> (bool, i64) {
     let (cluster, mut first) = server(db);
     let mut observer = cluster.connect(db);
@@ -118,9 +134,10 @@ fn claim_behind_an_open_direct_insert(db: &str, finish_first: &str) -> (bool, i6
 fn a_concurrent_claim_of_the_same_id_waits_behind_a_speculative_insertion() {
     let (second, executor_calls) = claim_behind_an_open_direct_insert("spec_commit", "COMMIT");
     assert!(!second, "the first transaction committed: the waiting mark is a duplicate");
-    assert_eq!(executor_calls, 1, "the killed speculative row sent the second claim the ordinary way");
-    let (second, _) = claim_behind_an_open_direct_insert("spec_rollback", "ROLLBACK");
+    assert_eq!(executor_calls, 0, "a duplicate writes no row");
+    let (second, executor_calls) = claim_behind_an_open_direct_insert("spec_rollback", "ROLLBACK");
     assert!(second, "the first transaction rolled back: the waiting mark claims the id");
+    assert_eq!(executor_calls, 1, "the killed speculative row sent the second claim the ordinary way, which wrote it");
 }
 
 #[test]

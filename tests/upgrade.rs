@@ -97,3 +97,102 @@ fn every_earlier_release_upgrades_keeping_its_marks_and_ends_up_like_a_fresh_ins
         );
     }
 }
+
+/// 0.2.0's docs had inbox administrators granted CREATE on schema dedup, INSERT and DELETE on the registry and
+/// EXECUTE on the trigger function, and their inboxes were tables they owned: the update takes all of that back
+/// (issue 12), keeps their inboxes working, and says what it could not hand over or remove.
+#[test]
+fn an_update_from_0_2_0_takes_back_what_its_docs_granted() {
+    let (mut c, warnings) = {
+        let c = database_at("upgrade_grants", "0.2.0");
+        drop(c);
+        let (c, notices) = connect_keeping_notices(cluster(), "upgrade_grants");
+        (c, notices)
+    };
+    c.batch_execute(
+        "CREATE ROLE legacy_admin LOGIN; CREATE ROLE legacy_app LOGIN;
+         GRANT USAGE, CREATE ON SCHEMA dedup TO legacy_admin;
+         GRANT SELECT, INSERT, DELETE ON dedup.inbox_registry TO legacy_admin;
+         GRANT EXECUTE ON FUNCTION dedup.create_inbox(text, interval), dedup.drop_inbox(text),
+                                   dedup.inbox_filter_trigger() TO legacy_admin;
+         GRANT USAGE ON SCHEMA dedup TO legacy_app;
+         GRANT EXECUTE ON FUNCTION dedup.mark(text, interval, text) TO legacy_app;
+         GRANT SELECT ON dedup.inbox_registry TO legacy_app;",
+    )
+    .unwrap();
+    // What 0.2.0's create_inbox() made for its caller, as that caller, and what such a caller could then do.
+    let legacy_inbox = |name: &str| {
+        format!(
+            "CREATE TABLE dedup.inbox_{name} OF dedup.inbox_row (id WITH OPTIONS PRIMARY KEY, expires_at WITH OPTIONS NOT NULL);
+             CREATE INDEX ON dedup.inbox_{name} (expires_at);
+             CREATE TRIGGER dedup_filter BEFORE INSERT OR UPDATE ON dedup.inbox_{name}
+               FOR EACH ROW EXECUTE FUNCTION dedup.inbox_filter_trigger();
+             ALTER TABLE dedup.inbox_{name} ENABLE ALWAYS TRIGGER dedup_filter;
+             INSERT INTO dedup.inbox_registry (name, default_ttl) VALUES ('{name}', '1 day');"
+        )
+    };
+    c.batch_execute(&format!(
+        "SET ROLE legacy_admin;
+         {}
+         {}
+         CREATE FUNCTION dedup.audit() RETURNS trigger LANGUAGE plpgsql AS 'BEGIN RETURN NEW; END';
+         CREATE TRIGGER audit BEFORE INSERT ON dedup.inbox_legacy_code FOR EACH ROW EXECUTE FUNCTION dedup.audit();
+         CREATE FUNCTION dedup.mark(id varchar) RETURNS boolean LANGUAGE sql AS 'SELECT true';
+         GRANT SELECT, INSERT, UPDATE ON dedup.inbox_legacy TO legacy_app;
+         RESET ROLE;",
+        legacy_inbox("legacy"),
+        legacy_inbox("legacy_code")
+    ))
+    .unwrap();
+    let mut app = cluster().connect_as("upgrade_grants", "legacy_app");
+    assert!(app.query_one("SELECT dedup.mark('before', NULL, 'legacy')", &[]).unwrap().get::<_, bool>(0));
+
+    warnings.lock().unwrap().clear();
+    c.batch_execute("ALTER EXTENSION pg_dedup UPDATE").unwrap();
+    let warned: Vec<String> = warnings.lock().unwrap().iter().map(|(m, h)| format!("{m} / {h}")).collect();
+
+    let yes = |c: &mut Client, sql: &str| c.query_one(&format!("SELECT {sql}"), &[]).unwrap().get::<_, bool>(0);
+    assert!(!yes(&mut c, "has_schema_privilege('legacy_admin', 'dedup', 'CREATE')"), "CREATE on the schema revoked");
+    for privilege in ["INSERT", "UPDATE", "DELETE", "TRUNCATE"] {
+        assert!(
+            !yes(&mut c, &format!("has_table_privilege('legacy_admin', 'dedup.inbox_registry', '{privilege}')")),
+            "{privilege} on the registry revoked"
+        );
+    }
+    assert!(yes(&mut c, "has_table_privilege('legacy_admin', 'dedup.inbox_registry', 'SELECT')"));
+    assert!(!yes(&mut c, "has_function_privilege('legacy_admin', 'dedup.inbox_filter_trigger()', 'EXECUTE')"));
+    // The plain inbox was handed over; its creator keeps what it needs, its application too.
+    let owner = |c: &mut Client, table: &str| {
+        c.query_one(&format!("SELECT relowner::regrole::text FROM pg_class WHERE oid = '{table}'::regclass"), &[])
+            .unwrap()
+            .get::<_, String>(0)
+    };
+    assert_eq!(owner(&mut c, "dedup.inbox_legacy"), "postgres");
+    assert!(yes(&mut c, "has_table_privilege('legacy_admin', 'dedup.inbox_legacy', 'DELETE WITH GRANT OPTION')"));
+    assert!(!yes(&mut c, "has_table_privilege('legacy_admin', 'dedup.inbox_legacy', 'TRIGGER')"));
+    assert!(!app.query_one("SELECT dedup.mark('before', NULL, 'legacy')", &[]).unwrap().get::<_, bool>(0));
+    assert!(app.query_one("SELECT dedup.mark('after', NULL, 'legacy')", &[]).unwrap().get::<_, bool>(0));
+    let trigger: String = c
+        .query_one(
+            "SELECT pg_get_triggerdef(oid) || ' ' || tgenabled::text FROM pg_trigger WHERE tgname = 'dedup_filter'
+               AND tgrelid = 'dedup.inbox_legacy'::regclass",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert!(trigger.contains("AFTER INSERT OR UPDATE OF id") && trigger.ends_with(" A"), "{trigger}");
+    // The inbox with code of its own keeps its owner, and the update says so; so for the planted overload.
+    assert_eq!(owner(&mut c, "dedup.inbox_legacy_code"), "legacy_admin");
+    assert!(warned.iter().any(|w| w.contains("dedup.inbox_legacy_code stays owned by legacy_admin")), "{warned:#?}");
+    assert!(
+        warned.iter().any(|w| w.contains("function dedup.mark(id character varying)") && w.contains("DROP FUNCTION")),
+        "{warned:#?}"
+    );
+    // Nothing more can be planted.
+    let mut admin = cluster().connect_as("upgrade_grants", "legacy_admin");
+    let err =
+        admin.batch_execute("CREATE FUNCTION dedup.seen(id varchar) RETURNS boolean LANGUAGE sql AS 'SELECT true'");
+    assert_eq!(sqlstate(&err.expect_err("no CREATE on schema dedup")), "42501");
+    let err = admin.batch_execute("DELETE FROM dedup.inbox_registry WHERE name = 'default'");
+    assert_eq!(sqlstate(&err.expect_err("no DELETE on the registry")), "42501");
+}

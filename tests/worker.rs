@@ -271,6 +271,9 @@ fn an_error_in_a_batch_is_logged_and_the_next_cycle_goes_on() {
     eventually("the purge goes on once the error is gone", || count(&mut c, "dedup.inbox_default") == 0);
 }
 
+/// An inbox table owned by an ordinary role — as pg_dedup 0.2.0 made them for delegated administrators, and as
+/// its upgrade leaves those that carry code of their own — is purged with that role's rights: its trigger cannot
+/// borrow the worker's superuser rights, nor leave a setting behind for the worker's next statement.
 #[test]
 fn an_inbox_owner_cannot_borrow_the_workers_superuser_rights() {
     let cluster = purging("purge_owner", &[]);
@@ -278,23 +281,36 @@ fn an_inbox_owner_cannot_borrow_the_workers_superuser_rights() {
     admin
         .batch_execute(
             "DROP ROLE IF EXISTS inbox_owner; CREATE ROLE inbox_owner LOGIN;
-             GRANT USAGE, CREATE ON SCHEMA dedup TO inbox_owner;
-             GRANT SELECT, INSERT, DELETE ON dedup.inbox_registry TO inbox_owner;
-             GRANT EXECUTE ON FUNCTION dedup.create_inbox(text, interval), dedup.inbox_filter_trigger(),
-                                       dedup.mark_many(text[], interval, text) TO inbox_owner;",
+             CREATE SCHEMA owned AUTHORIZATION inbox_owner;
+             SELECT dedup.create_inbox('mine');
+             ALTER TABLE dedup.inbox_mine OWNER TO inbox_owner;
+             GRANT USAGE ON SCHEMA dedup TO inbox_owner;
+             CREATE TABLE public.ran (who text, superuser bool);
+             GRANT INSERT ON public.ran TO inbox_owner;",
         )
         .unwrap();
     let mut owner = cluster.connect_as("purge_owner", "inbox_owner");
-    // The owner's trigger tries to make the owner a superuser whenever a row of its inbox is deleted.
+    // Whenever a row of its inbox is deleted, the owner's trigger leaves a search_path behind that would send an
+    // unqualified `=` of the worker's to an operator of the owner's, whose function makes the owner a superuser if
+    // it runs with superuser rights (the attack of issue 12). It also tries that directly.
     owner
         .batch_execute(
-            "SELECT dedup.create_inbox('mine');
-             CREATE FUNCTION dedup.escalate() RETURNS trigger LANGUAGE plpgsql AS
-               $$ BEGIN ALTER ROLE inbox_owner SUPERUSER; RETURN OLD; END $$;
-             CREATE TRIGGER escalate AFTER DELETE ON dedup.inbox_mine FOR EACH ROW EXECUTE FUNCTION dedup.escalate();
-             SELECT dedup.mark_many(ARRAY['a', 'b'], '1 second', 'mine');",
+            "CREATE FUNCTION owned.escalate() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN
+                 PERFORM set_config('search_path', 'owned, pg_catalog', false);
+                 BEGIN ALTER ROLE inbox_owner SUPERUSER; EXCEPTION WHEN insufficient_privilege THEN NULL; END;
+                 RETURN OLD;
+             END $$;
+             CREATE FUNCTION owned.planted(name, name) RETURNS bool LANGUAGE plpgsql AS $$ BEGIN
+                 INSERT INTO public.ran SELECT current_user, rolsuper FROM pg_catalog.pg_roles
+                  WHERE rolname OPERATOR(pg_catalog.=) current_user;
+                 BEGIN ALTER ROLE inbox_owner SUPERUSER; EXCEPTION WHEN insufficient_privilege THEN NULL; END;
+                 RETURN $1::text = $2::text;
+             END $$;
+             CREATE OPERATOR owned.= (LEFTARG = name, RIGHTARG = name, FUNCTION = owned.planted);
+             CREATE TRIGGER escalate BEFORE DELETE ON dedup.inbox_mine FOR EACH ROW EXECUTE FUNCTION owned.escalate();",
         )
         .unwrap();
+    admin.batch_execute("SELECT dedup.mark_many(ARRAY['a', 'b'], '1 second', 'mine')").unwrap();
     let cycles = |c: &mut Client| {
         c.query_one("SELECT coalesce(purge_cycles, 0) FROM dedup.stats LIMIT 1", &[]).unwrap().get::<_, i64>(0)
     };
@@ -303,6 +319,7 @@ fn an_inbox_owner_cannot_borrow_the_workers_superuser_rights() {
     eventually("the worker tried to purge the owner's inbox", || cycles(&mut admin) >= before + 2);
     let superuser: bool =
         admin.query_one("SELECT rolsuper FROM pg_roles WHERE rolname = 'inbox_owner'", &[]).unwrap().get(0);
-    assert!(!superuser, "the owner's trigger ran with the worker's superuser rights");
-    assert_eq!(count(&mut admin, "dedup.inbox_mine"), 2, "the purge failed in the owner's trigger, as the owner");
+    assert!(!superuser, "the owner's code ran with the worker's superuser rights");
+    assert_eq!(count(&mut admin, "dedup.inbox_mine"), 0, "the worker purged the owner's inbox, as the owner");
+    assert_eq!(count(&mut admin, "public.ran"), 0, "the worker ran the owner's operator");
 }

@@ -1,6 +1,8 @@
 //! The per-backend cache of open inboxes: name → table, default TTL and prepared statements, so a call neither
 //! parses nor plans SQL. Relcache invalidations (DROP TABLE, ALTER TABLE, ...) mark entries stale; they are reloaded
-//! at the next call, never freed from inside the invalidation callback (a plan may be running).
+//! at the next call, never freed from inside the invalidation callback (a plan may be running): the next `open`
+//! removes every stale entry (an inbox dropped for good must not keep its plans for the life of a pooled
+//! connection).
 
 use super::{registry, Access, Inbox};
 use crate::errors::raise;
@@ -12,6 +14,8 @@ use std::rc::Rc;
 thread_local! {
     static CACHE: RefCell<HashMap<String, Rc<Inbox>>> = RefCell::new(HashMap::new());
     static CALLBACK_REGISTERED: Cell<bool> = const { Cell::new(false) };
+    /// Some entry went stale since the last sweep.
+    static SOME_STALE: Cell<bool> = const { Cell::new(false) };
 }
 
 #[pg_guard]
@@ -21,6 +25,7 @@ unsafe extern "C-unwind" fn on_relcache_invalidation(_arg: pg_sys::Datum, relid:
             for inbox in cache.values() {
                 if relid == pg_sys::InvalidOid || relid == inbox.relid {
                     inbox.stale.set(true);
+                    SOME_STALE.set(true);
                 }
             }
         }
@@ -34,14 +39,42 @@ pub fn open(name: &str, access: Access) -> Rc<Inbox> {
         unsafe { pg_sys::CacheRegisterRelcacheCallback(Some(on_relcache_invalidation), pg_sys::Datum::from(0)) };
     }
     loop {
+        if SOME_STALE.replace(false) {
+            // Dropping an entry frees its plans; one still in use elsewhere (an Rc held up the stack) goes with
+            // its last user.
+            CACHE.with(|c| c.borrow_mut().retain(|_, inbox| !inbox.stale.get()));
+        }
         let cached = CACHE.with(|c| c.borrow().get(name).cloned()).filter(|inbox| !inbox.stale.get());
         let inbox = cached.unwrap_or_else(|| {
             let inbox = Rc::new(registry::load(name));
             CACHE.with(|c| c.borrow_mut().insert(name.to_owned(), inbox.clone()));
             inbox
         });
+        // Lock as the executor would, before running any plan. Taking the lock waits for a transaction dropping
+        // or creating the table to finish, and then processes its invalidations: an inbox dropped concurrently
+        // shows up here as stale, or as a table that no longer exists (when it went before this backend
+        // cached it), and the loop looks it up again (then: "does not exist"), instead of a raw error deep inside
+        // a cached plan or the privilege check.
+        // SAFETY: locks a relation by oid (held until the transaction ends), then looks it up in the syscache.
+        let exists = unsafe {
+            pg_sys::LockRelationOid(inbox.relid, access.lock_mode());
+            pg_sys::SearchSysCacheExists(
+                pg_sys::SysCacheIdentifier::RELOID as i32,
+                inbox.relid.into_datum().expect("an oid is a datum"),
+                pg_sys::Datum::from(0),
+                pg_sys::Datum::from(0),
+                pg_sys::Datum::from(0),
+            )
+        };
+        if !exists {
+            inbox.stale.set(true);
+            SOME_STALE.set(true);
+        }
+        if inbox.stale.get() {
+            continue;
+        }
         let mask = access.acl_mask();
-        // SAFETY: an ACL check of a relation that exists (just loaded or still cached and not invalidated).
+        // SAFETY: an ACL check of a relation that exists and is locked.
         let granted = unsafe {
             pg_sys::pg_class_aclmask(inbox.relid, pg_sys::GetUserId(), mask, pg_sys::AclMaskHow::ACLMASK_ALL)
         };
@@ -52,13 +85,51 @@ pub fn open(name: &str, access: Access) -> Rc<Inbox> {
                 access.grant_hint(&inbox.table),
             )
         }
-        // Lock as the executor would, before running any plan: taking the lock processes pending invalidations,
-        // so an inbox dropped concurrently shows up here as stale (and then unknown), not as a raw error deep
-        // inside a cached plan.
-        // SAFETY: locks a relation by oid; held until the transaction ends.
-        unsafe { pg_sys::LockRelationOid(inbox.relid, access.lock_mode()) };
-        if !inbox.stale.get() {
-            return inbox;
-        }
+        return inbox;
+    }
+}
+
+#[cfg(any(test, feature = "pg_test"))]
+#[pg_schema]
+mod tests {
+    use crate::inbox::{open, Access};
+    use crate::testing::*;
+    use pgrx::prelude::*;
+
+    #[pg_test]
+    fn cache_an_inbox_is_opened_once_and_reloaded_after_ddl() {
+        run("SELECT dedup.create_inbox('cached')");
+        let first = open("cached", Access::Read);
+        let again = open("cached", Access::Read);
+        assert!(std::rc::Rc::ptr_eq(&first, &again), "the second open is served from the cache");
+        run("ALTER TABLE dedup.inbox_cached SET (fillfactor = 90)");
+        let after = open("cached", Access::Read);
+        assert!(!std::rc::Rc::ptr_eq(&first, &after), "DDL on the table reloads the entry");
+        assert!(first.stale.get());
+    }
+
+    #[pg_test]
+    fn cache_entries_of_dropped_inboxes_are_freed_at_the_next_call() {
+        run("SELECT dedup.create_inbox('short_lived')");
+        let weak = std::rc::Rc::downgrade(&open("short_lived", Access::Read));
+        run("SELECT dedup.drop_inbox('short_lived')");
+        let _ = open("default", Access::Read);
+        assert!(weak.upgrade().is_none(), "the dropped inbox's entry (and its plans) were freed");
+    }
+
+    #[pg_test]
+    fn cache_privileges_are_checked_on_every_open() {
+        run(
+            "CREATE ROLE cache_reader; GRANT USAGE ON SCHEMA dedup TO cache_reader;
+             GRANT SELECT ON dedup.inbox_registry TO cache_reader; GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA dedup TO cache_reader;
+             GRANT SELECT ON dedup.inbox_default TO cache_reader;
+             SELECT dedup.seen('warm-the-cache')",
+        );
+        run("SET LOCAL ROLE cache_reader");
+        assert!(!one::<bool>("SELECT dedup.seen('x')"), "reading is granted");
+        assert_dedup_error("SELECT dedup.mark('x')", PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE);
+        let (_, message) = error_of("SELECT dedup.forget('x')");
+        run("RESET ROLE");
+        assert!(message.contains("permission denied for inbox \"default\""), "{message}");
     }
 }

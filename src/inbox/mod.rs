@@ -11,12 +11,13 @@ mod registry;
 mod stmt;
 
 pub use cache::open;
-pub use registry::{all_names, create, drop, relid};
+pub use registry::{all_names, create, drop};
 pub use stmt::Stmt;
 
 use crate::errors::internal;
-use crate::ports;
+use crate::filter::Trusted;
 use crate::shmem;
+use crate::trigger::{self, State};
 use pgrx::prelude::*;
 use pgrx::spi::{OwnedPreparedStatement, SpiClient, SpiTupleTable};
 use std::cell::{Cell, OnceCell};
@@ -72,6 +73,50 @@ pub struct Inbox {
     entry: Option<&'static shmem::Entry>,
     stale: Cell<bool>,
     plans: [OnceCell<OwnedPreparedStatement>; STATEMENT_COUNT],
+    shape: OnceCell<Shape>,
+}
+
+/// What the relcache says about an inbox table that decides how it may be written and whether the filter may
+/// answer for it. Read once per backend and inbox, after the table is locked; any DDL on the table invalidates the
+/// cache entry (and this with it).
+pub struct Shape {
+    /// How the filter trigger stands: the filter answers for the inbox only while it guards it.
+    pub trigger: State,
+    /// Does writing a row need nothing but its two values and index entries, so that the direct insert may skip
+    /// the executor? The table must still be the inbox row type exactly (no columns an owner added after `NOT OF`,
+    /// no CHECK constraint, rule or row security), and its one trigger the guarding filter trigger, whose work the
+    /// direct insert does itself.
+    pub plain: bool,
+}
+
+impl Shape {
+    /// # Safety
+    /// `rel` must be an open relation.
+    unsafe fn of(rel: pg_sys::Relation) -> Shape {
+        let form = &*(*rel).rd_rel;
+        let desc = pgrx::PgTupleDesc::from_pg_unchecked((*rel).rd_att);
+        let column_is = |i: usize, name: &str, type_oid: pg_sys::Oid| {
+            desc.get(i).is_some_and(|a| !a.attisdropped && a.atttypid == type_oid && a.name() == name)
+        };
+        let constr = (*(*rel).rd_att).constr;
+        let triggers = (*rel).trigdesc;
+        let only_ours =
+            triggers.is_null() || ((*triggers).numtriggers == 1 && trigger::is_guarding(&*(*triggers).triggers));
+        let plain = form.relkind == pg_sys::RELKIND_RELATION as std::ffi::c_char
+            && form.reloftype != pg_sys::InvalidOid
+            && !form.relispartition
+            && !form.relrowsecurity
+            && desc.len() == 2
+            && column_is(0, "id", pg_sys::TEXTOID)
+            && column_is(1, "expires_at", pg_sys::TIMESTAMPTZOID)
+            // No CHECK constraints, defaults or generated columns (none can be added to a typed table's own
+            // columns but CHECK; the rest is belt and braces).
+            && (constr.is_null()
+                || ((*constr).num_check == 0 && (*constr).num_defval == 0 && !(*constr).has_generated_stored))
+            && (*rel).rd_rules.is_null()
+            && only_ours;
+        Shape { trigger: State::of(rel), plain }
+    }
 }
 
 impl Inbox {
@@ -85,19 +130,44 @@ impl Inbox {
             entry: shmem::region().and_then(|r| r.entry(ns, true)),
             stale: Cell::new(false),
             plans: Default::default(),
+            shape: OnceCell::new(),
         }
+    }
+
+    /// The table's shape. Only for an inbox returned by `open`, which locked the table.
+    pub fn shape(&self) -> &Shape {
+        self.shape.get_or_init(|| {
+            // SAFETY: the table is locked by this transaction (see `open`); closed again at once.
+            unsafe {
+                let rel = pg_sys::relation_open(self.relid, pg_sys::NoLock as pg_sys::LOCKMODE);
+                let shape = Shape::of(rel);
+                pg_sys::relation_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
+                shape
+            }
+        })
+    }
+
+    /// The filter, if it may answer for this inbox right now: loaded, and guarded by the trigger.
+    pub fn filter(&self) -> Option<Trusted> {
+        if self.shape().trigger != State::Guarding {
+            return None;
+        }
+        Trusted::for_inbox(self.ns)
     }
 
     /// Adds `n` to one of the inbox's counters in `dedup.stats` (nothing without preloading).
     pub fn count(&self, counter: shmem::Counter, n: u64) {
         if let (Some(entry), true) = (self.entry, n > 0) {
-            entry.add(counter, n);
+            // The entry is freed if the table goes, and may then serve another inbox.
+            if entry.holds(self.ns) {
+                entry.add(counter, n);
+            }
         }
     }
 
     /// Records the expired marks left after a purge cycle (-1: unknown).
     pub fn set_backlog(&self, backlog: i64) {
-        if let Some(entry) = self.entry {
+        if let Some(entry) = self.entry.filter(|e| e.holds(self.ns)) {
             entry.backlog.store(backlog, std::sync::atomic::Ordering::Relaxed);
         }
     }
@@ -123,23 +193,4 @@ impl Inbox {
         // READ COMMITTED) without forcing a transaction id onto duplicates, which must write no WAL.
         client.select(self.plan(client, stmt), None, args).unwrap_or_else(|e| internal("running a statement", e))
     }
-}
-
-/// Runs `f` with the rights of the inbox table's owner, as a security-restricted operation, the way VACUUM and
-/// autovacuum do: the background worker is a superuser, and a trigger or rule the owner put on the table must not
-/// run with superuser rights.
-pub fn as_owner<R>(relid: pg_sys::Oid, f: impl FnOnce() -> R) -> R {
-    let owner =
-        ports::relation_owner(relid).unwrap_or_else(|| internal("finding an inbox table's owner", "no such table"));
-    let (mut user, mut context) = (pg_sys::InvalidOid, 0);
-    // SAFETY: plain reads and writes of the backend's current user; restored below, or by the transaction abort.
-    unsafe {
-        pg_sys::GetUserIdAndSecContext(&mut user, &mut context);
-        pg_sys::SetUserIdAndSecContext(owner, context | pg_sys::SECURITY_RESTRICTED_OPERATION as i32);
-    }
-    // On an ERROR, aborting the transaction restores the user, as it does for VACUUM.
-    let result = f();
-    // SAFETY: as above.
-    unsafe { pg_sys::SetUserIdAndSecContext(user, context) };
-    result
 }

@@ -2,7 +2,7 @@
 
 use super::{Inbox, DEFAULT_INBOX, SCHEMA};
 use crate::errors::{internal, raise};
-use crate::{filter, shmem};
+use crate::{filter, rights, shmem, trigger};
 use pgrx::prelude::*;
 use pgrx::spi::SpiClient;
 
@@ -18,11 +18,6 @@ fn schema_oid() -> pg_sys::Oid {
     let schema = std::ffi::CString::new(SCHEMA).expect("no NUL in schema name");
     // SAFETY: a NUL-terminated name; missing_ok = false raises a clean ERROR if the schema is gone.
     unsafe { pg_sys::get_namespace_oid(schema.as_ptr(), false) }
-}
-
-/// The table of inbox `name`, looked up without locking it (None if it has none).
-pub fn relid(name: &str) -> Option<pg_sys::Oid> {
-    Some(relation_oid(name)).filter(|oid| *oid != pg_sys::InvalidOid)
 }
 
 fn relation_oid(name: &str) -> pg_sys::Oid {
@@ -61,82 +56,125 @@ fn unknown_inbox(name: &str) -> ! {
     )
 }
 
-/// Reads inbox `name` from the registry and finds its table.
+/// Reads inbox `name` from the registry and finds its table, both in one query through the latest snapshot,
+/// whatever this transaction's isolation level: so the two agree on one moment, and an inbox dropped or created
+/// while this runs is found whole or not at all ("does not exist"). (The syscache could not be trusted for this:
+/// a committing transaction is visible to snapshots a moment before its cache invalidations are sent.) "Registered
+/// but its table is missing" then means just that. The caller locks the table, which waits for its creator's
+/// commit to finish.
 pub(super) fn load(name: &str) -> Inbox {
     check_registry_readable();
-    let default_ttl = Spi::connect(|client| {
-        client
-            .select(
-                "SELECT default_ttl FROM dedup.inbox_registry WHERE name OPERATOR(pg_catalog.=) $1",
-                None,
-                &[name.into()],
-            )
-            .and_then(|rows| if rows.is_empty() { Ok(None) } else { rows.first().get_one::<Interval>() })
-            .unwrap_or_else(|e| internal("reading dedup.inbox_registry", e))
-    });
-    let Some(default_ttl) = default_ttl else { unknown_inbox(name) };
-    let relid = relation_oid(name);
-    if relid == pg_sys::InvalidOid {
+    let Some((default_ttl, relid)) = registered(name) else { unknown_inbox(name) };
+    let Some(relid) = relid else {
         raise(
             PgSqlErrorCode::ERRCODE_UNDEFINED_TABLE,
             format!("inbox \"{name}\" is registered but its table {} is missing", qualified(name)),
             format!("Recreate it: SELECT dedup.drop_inbox('{name}'); SELECT dedup.create_inbox('{name}');"),
         )
-    }
+    };
     let ns = shmem::namespace(relid);
     Inbox::new(name, relid, qualified(name), default_ttl, ns)
 }
 
-/// Creates the inbox's table and registers it. The table is an ordinary (non-extension) table so pg_dump keeps its
-/// definition and rows; being typed `OF dedup.inbox_row`, it depends on the extension, so `DROP EXTENSION` refuses
-/// to orphan it (and `DROP EXTENSION ... CASCADE` removes it). The btree on `expires_at` lets a purge batch find
-/// expired marks without scanning the table; autovacuum runs early because purging leaves dead rows steadily.
+/// The default TTL of registered inbox `name` and its table's oid (None if the table is missing), read through the
+/// latest snapshot (not this transaction's).
+fn registered(name: &str) -> Option<(Interval, Option<pg_sys::Oid>)> {
+    Spi::connect(|_client| {
+        // SAFETY: inside an SPI connection; the snapshot pushed is popped before returning. read_only = true makes
+        // SPI run the query on the active snapshot, the one pushed here, instead of taking the transaction's.
+        unsafe {
+            pg_sys::PushActiveSnapshot(pg_sys::GetLatestSnapshot());
+            let mut argtypes = [pg_sys::TEXTOID];
+            let mut values = [name.into_datum().expect("text is a datum")];
+            let status = pg_sys::SPI_execute_with_args(
+                c"SELECT r.default_ttl, c.oid FROM dedup.inbox_registry r
+                    LEFT JOIN pg_catalog.pg_class c
+                      ON c.relname OPERATOR(pg_catalog.=) ('inbox_' OPERATOR(pg_catalog.||) r.name)::pg_catalog.name
+                     AND c.relnamespace OPERATOR(pg_catalog.=) 'dedup'::pg_catalog.regnamespace
+                   WHERE r.name OPERATOR(pg_catalog.=) $1"
+                    .as_ptr(),
+                1,
+                argtypes.as_mut_ptr(),
+                values.as_mut_ptr(),
+                std::ptr::null(),
+                true,
+                1,
+            );
+            pg_sys::PopActiveSnapshot();
+            if status != pg_sys::SPI_OK_SELECT as i32 {
+                internal("reading dedup.inbox_registry", format!("SPI status {status}"))
+            }
+            let table = pg_sys::SPI_tuptable;
+            if table.is_null() || pg_sys::SPI_processed == 0 {
+                return None;
+            }
+            let (row, desc) = (*(*table).vals, (*table).tupdesc);
+            let mut isnull = false;
+            let ttl = pg_sys::SPI_getbinval(row, desc, 1, &mut isnull);
+            let ttl = Interval::from_polymorphic_datum(ttl, isnull, pg_sys::INTERVALOID)?;
+            let oid = pg_sys::SPI_getbinval(row, desc, 2, &mut isnull);
+            Some((ttl, pg_sys::Oid::from_polymorphic_datum(oid, isnull, pg_sys::OIDOID)))
+        }
+    })
+}
+
+/// Creates the inbox's table and registers it, for a caller with EXECUTE on `dedup.create_inbox()`.
+///
+/// The table belongs to the extension's owner, like the rest of schema dedup, so no other role can alter it, add
+/// a trigger to it or drop it: nothing runs on it but what the extension put there, whoever writes to it (the
+/// background worker included). The caller gets every privilege on it but TRIGGER and REFERENCES, each WITH GRANT
+/// OPTION: it grants the applications their share, and holding the grant option is what lets it drop the inbox.
+///
+/// The table is an ordinary (non-extension) table so pg_dump keeps its definition, rows and grants; being typed
+/// `OF dedup.inbox_row`, it depends on the extension, so `DROP EXTENSION` refuses to orphan it (and `DROP
+/// EXTENSION ... CASCADE` removes it). The btree on `expires_at` lets a purge batch find expired marks without
+/// scanning the table; autovacuum runs early because purging leaves dead rows steadily.
 pub fn create(name: &str, default_ttl: Interval) {
     let table = qualified(name);
-    Spi::connect_mut(|client| {
-        serialize_registry_changes(client);
-        if is_registered(client, name) || relation_oid(name) != pg_sys::InvalidOid {
-            raise(
-                PgSqlErrorCode::ERRCODE_DUPLICATE_OBJECT,
-                format!("inbox \"{name}\" already exists"),
-                "Pick another name, or drop the old inbox first with dedup.drop_inbox().",
-            )
-        }
-        client
-            .update(
-                &format!(
+    let caller = rights::caller();
+    rights::as_extension_owner("create_inbox", || {
+        Spi::connect_mut(|client| {
+            serialize_registry_changes(client);
+            if is_registered(client, name) || relation_oid(name) != pg_sys::InvalidOid {
+                raise(
+                    PgSqlErrorCode::ERRCODE_DUPLICATE_OBJECT,
+                    format!("inbox \"{name}\" already exists"),
+                    "Pick another name, or drop the old inbox first with dedup.drop_inbox().",
+                )
+            }
+            let mut statements = vec![
+                format!(
                     "CREATE TABLE {table} OF dedup.inbox_row \
                      (id WITH OPTIONS PRIMARY KEY, expires_at WITH OPTIONS NOT NULL) \
-                     WITH (autovacuum_vacuum_scale_factor = 0.05, autovacuum_vacuum_insert_scale_factor = 0.05); \
-                     CREATE INDEX ON {table} (expires_at)"
+                     WITH (autovacuum_vacuum_scale_factor = 0.05, autovacuum_vacuum_insert_scale_factor = 0.05)"
                 ),
-                None,
-                &[],
-            )
-            .unwrap_or_else(|e| internal("creating the inbox table", e));
-        client
-            .update(
-                &format!(
-                    "CREATE TRIGGER dedup_filter BEFORE INSERT OR UPDATE ON {table} \
-                     FOR EACH ROW EXECUTE FUNCTION dedup.inbox_filter_trigger(); \
-                     ALTER TABLE {table} ENABLE ALWAYS TRIGGER dedup_filter"
-                ),
-                None,
-                &[],
-            )
-            .unwrap_or_else(|e| internal("creating the inbox trigger", e));
-        client
-            .update(
-                "INSERT INTO dedup.inbox_registry (name, default_ttl) VALUES ($1, $2)",
-                None,
-                &[name.into(), default_ttl.into()],
-            )
-            .unwrap_or_else(|e| internal("registering the inbox", e));
+                format!("CREATE INDEX ON {table} (expires_at)"),
+                trigger::create_sql(&table),
+            ];
+            if caller != rights::extension_owner() && !rights::is_superuser(caller) {
+                statements.push(format!(
+                    "GRANT SELECT, INSERT, UPDATE, DELETE, TRUNCATE ON {table} TO {} WITH GRANT OPTION",
+                    rights::role_name(caller)
+                ));
+            }
+            client
+                .update(&statements.join("; "), None, &[])
+                .unwrap_or_else(|e| internal("creating the inbox table", e));
+            client
+                .update(
+                    "INSERT INTO dedup.inbox_registry (name, default_ttl) VALUES ($1, $2)",
+                    None,
+                    &[name.into(), default_ttl.into()],
+                )
+                .unwrap_or_else(|e| internal("registering the inbox", e));
+        })
     });
     // Empty, and every future row passes the trigger: the filter can answer for it at once.
     filter::trust_new_inbox(shmem::namespace(relation_oid(name)));
 }
 
+/// Drops an inbox, for a caller with EXECUTE on `dedup.drop_inbox()` who administers it: holds DELETE on its table
+/// WITH GRANT OPTION (its creator does, as do the table's owner and superusers).
 pub fn drop(name: &str) {
     if name == DEFAULT_INBOX {
         raise(
@@ -145,38 +183,51 @@ pub fn drop(name: &str) {
             "Empty it instead with TRUNCATE dedup.inbox_default, or use your own inboxes.",
         )
     }
-    Spi::connect_mut(|client| {
-        serialize_registry_changes(client);
-        if !is_registered(client, name) {
-            unknown_inbox(name)
-        }
-        // A table someone dropped by hand must not make the inbox impossible to unregister.
-        let relid = relation_oid(name);
-        if relid != pg_sys::InvalidOid {
-            let table = qualified(name);
-            let owner = client
-                .select(
-                    "SELECT pg_catalog.pg_has_role(relowner, 'USAGE') FROM pg_catalog.pg_class \
-                     WHERE oid OPERATOR(pg_catalog.=) $1",
-                    None,
-                    &[relid.into()],
-                )
-                .and_then(|rows| rows.first().get_one::<bool>())
-                .unwrap_or_else(|e| internal("checking the inbox owner", e));
-            if owner != Some(true) {
+    let caller = rights::caller();
+    rights::as_extension_owner("drop_inbox", || {
+        Spi::connect_mut(|client| {
+            serialize_registry_changes(client);
+            if !is_registered(client, name) {
+                unknown_inbox(name)
+            }
+            // A table someone dropped by hand must not make the inbox impossible to unregister; with no table to
+            // hold grants, only the extension's owner (and superusers) may.
+            let relid = relation_oid(name);
+            if relid == pg_sys::InvalidOid && !rights::acts_for(caller, rights::extension_owner()) {
                 raise(
                     PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
-                    format!("only the owner of {table} can drop inbox \"{name}\""),
-                    "Run dedup.drop_inbox() as the role that created the inbox, or as a superuser.",
+                    format!("permission denied to drop inbox \"{name}\", whose table is missing"),
+                    "Ask the extension's owner or a superuser to drop it.",
                 )
             }
+            if relid != pg_sys::InvalidOid {
+                let table = qualified(name);
+                let administers = client
+                    .select(
+                        "SELECT pg_catalog.has_table_privilege($1, $2, 'DELETE WITH GRANT OPTION')",
+                        None,
+                        &[caller.into(), relid.into()],
+                    )
+                    .and_then(|rows| rows.first().get_one::<bool>())
+                    .unwrap_or_else(|e| internal("checking who administers the inbox", e));
+                if administers != Some(true) {
+                    raise(
+                        PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
+                        format!("permission denied to drop inbox \"{name}\""),
+                        format!(
+                            "An inbox is dropped by the role that created it (it holds DELETE ON {table} WITH GRANT \
+                             OPTION), by the extension's owner or by a superuser."
+                        ),
+                    )
+                }
+                client
+                    .update(&format!("DROP TABLE {table}"), None, &[])
+                    .unwrap_or_else(|e| internal("dropping the inbox table", e));
+            }
             client
-                .update(&format!("DROP TABLE {table}"), None, &[])
-                .unwrap_or_else(|e| internal("dropping the inbox table", e));
-        }
-        client
-            .update("DELETE FROM dedup.inbox_registry WHERE name OPERATOR(pg_catalog.=) $1", None, &[name.into()])
-            .unwrap_or_else(|e| internal("unregistering the inbox", e));
+                .update("DELETE FROM dedup.inbox_registry WHERE name OPERATOR(pg_catalog.=) $1", None, &[name.into()])
+                .unwrap_or_else(|e| internal("unregistering the inbox", e));
+        })
     });
 }
 
@@ -204,4 +255,110 @@ pub fn all_names() -> Vec<String> {
             .map(|rows| rows.filter_map(|row| row.get::<String>(1).ok().flatten()).collect())
             .unwrap_or_else(|e| internal("reading dedup.inbox_registry", e))
     })
+}
+
+#[cfg(any(test, feature = "pg_test"))]
+#[pg_schema]
+mod tests {
+    use crate::testing::*;
+    use pgrx::prelude::*;
+
+    #[pg_test]
+    fn registry_the_default_inbox_exists_after_create_extension() {
+        assert_eq!(
+            one::<String>("SELECT default_ttl::text FROM dedup.inbox_registry WHERE name = 'default'"),
+            "3 days"
+        );
+        assert_eq!(count("dedup.inbox_default"), count("dedup.inbox_default"), "its table can be read");
+    }
+
+    #[pg_test]
+    fn registry_an_inbox_table_has_the_shape_marks_rely_on() {
+        run("SELECT dedup.create_inbox('shape')");
+        let rel = "'dedup.inbox_shape'::regclass";
+        assert_eq!(
+            one::<String>(&format!("SELECT reloftype::regtype::text FROM pg_class WHERE oid = {rel}")),
+            "dedup.inbox_row"
+        );
+        assert_eq!(
+            one::<String>(&format!(
+                "SELECT pg_get_indexdef(indexrelid) FROM pg_index WHERE indrelid = {rel} AND indisprimary"
+            )),
+            "CREATE UNIQUE INDEX inbox_shape_pkey ON dedup.inbox_shape USING btree (id)"
+        );
+        assert_eq!(count(&format!("pg_index WHERE indrelid = {rel} AND NOT indisprimary")), 1, "the expires_at btree");
+        assert_eq!(
+            one::<String>(&format!(
+                "SELECT pg_get_triggerdef(oid) || ' ' || tgenabled::text FROM pg_trigger WHERE tgrelid = {rel}"
+            )),
+            "CREATE TRIGGER dedup_filter AFTER INSERT OR UPDATE OF id ON dedup.inbox_shape FOR EACH ROW EXECUTE \
+             FUNCTION dedup.inbox_filter_trigger() A"
+        );
+        assert_eq!(
+            one::<String>(&format!(
+                "SELECT attcollation::regcollation::text FROM pg_attribute WHERE attrelid = {rel} AND attname = 'id'"
+            )),
+            "\"C\""
+        );
+    }
+
+    #[pg_test]
+    fn registry_inbox_tables_belong_to_the_extensions_owner_and_their_creator_gets_grant_options() {
+        run("CREATE ROLE reg_admin; GRANT USAGE ON SCHEMA dedup TO reg_admin;
+             GRANT EXECUTE ON FUNCTION dedup.create_inbox(text, interval), dedup.drop_inbox(text) TO reg_admin;
+             GRANT SELECT ON dedup.inbox_registry TO reg_admin;
+             SET LOCAL ROLE reg_admin; SELECT dedup.create_inbox('delegated'); RESET ROLE;");
+        assert_eq!(
+            one::<String>("SELECT relowner::regrole::text FROM pg_class WHERE oid = 'dedup.inbox_delegated'::regclass"),
+            one::<String>("SELECT extowner::regrole::text FROM pg_extension WHERE extname = 'pg_dedup'")
+        );
+        for (privilege, expected) in [
+            ("SELECT WITH GRANT OPTION", true),
+            ("INSERT WITH GRANT OPTION", true),
+            ("UPDATE WITH GRANT OPTION", true),
+            ("DELETE WITH GRANT OPTION", true),
+            ("TRUNCATE WITH GRANT OPTION", true),
+            ("TRIGGER", false),
+            ("REFERENCES", false),
+        ] {
+            let has = one::<bool>(&format!(
+                "SELECT has_table_privilege('reg_admin', 'dedup.inbox_delegated', '{privilege}')"
+            ));
+            assert_eq!(has, expected, "{privilege}");
+        }
+        run("SET LOCAL ROLE reg_admin; SELECT dedup.drop_inbox('delegated'); RESET ROLE");
+        assert_eq!(count("dedup.inbox_registry WHERE name = 'delegated'"), 0);
+    }
+
+    #[pg_test]
+    fn registry_only_an_inbox_administrator_may_drop_it() {
+        run("CREATE ROLE reg_stranger; GRANT USAGE ON SCHEMA dedup TO reg_stranger;
+             GRANT EXECUTE ON FUNCTION dedup.drop_inbox(text) TO reg_stranger;
+             GRANT SELECT ON dedup.inbox_registry TO reg_stranger;
+             SELECT dedup.create_inbox('guarded_drop');
+             GRANT SELECT, INSERT, UPDATE, DELETE ON dedup.inbox_guarded_drop TO reg_stranger;");
+        run("SET LOCAL ROLE reg_stranger");
+        assert_dedup_error("SELECT dedup.drop_inbox('guarded_drop')", PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE);
+        run("RESET ROLE");
+        assert_eq!(count("dedup.inbox_registry WHERE name = 'guarded_drop'"), 1);
+    }
+
+    #[pg_test]
+    fn registry_listing_returns_every_inbox_in_name_order() {
+        run("SELECT dedup.create_inbox('list_b'); SELECT dedup.create_inbox('list_a')");
+        let names = super::all_names();
+        let ours: Vec<&String> = names.iter().filter(|n| n.starts_with("list_") || *n == "default").collect();
+        assert_eq!(ours, ["default", "list_a", "list_b"]);
+    }
+
+    #[pg_test]
+    fn registry_a_caller_who_cannot_read_it_is_told_which_grant_is_missing() {
+        run("CREATE ROLE reg_blind; GRANT USAGE ON SCHEMA dedup TO reg_blind;
+             GRANT EXECUTE ON FUNCTION dedup.mark(text, interval, text) TO reg_blind;
+             SET LOCAL ROLE reg_blind");
+        let (code, message) = error_of("SELECT dedup.mark('x', NULL, 'never_opened')");
+        run("RESET ROLE");
+        assert_eq!(code, PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE);
+        assert!(message.contains("dedup.inbox_registry"), "{message}");
+    }
 }

@@ -38,8 +38,6 @@ statements! {
     PurgeBatchUnlocked,
     /// $1 now, $2 cap → how many expired rows wait, counted up to the cap.
     Backlog,
-    /// Every id in the table (read through a cursor when loading the filter).
-    ScanIds,
 }
 
 impl Stmt {
@@ -80,7 +78,6 @@ impl Stmt {
                 "SELECT pg_catalog.count(*) FROM (SELECT 1 FROM {table} \
                  WHERE expires_at OPERATOR(pg_catalog.<=) $1 LIMIT $2) s"
             ),
-            Stmt::ScanIds => format!("SELECT id FROM {table}"),
         }
     }
 
@@ -94,7 +91,6 @@ impl Stmt {
             Stmt::Renew => vec![TEXTARRAYOID, TIMESTAMPTZOID, TIMESTAMPTZOID],
             Stmt::Seen | Stmt::Forget => vec![TEXTOID, TIMESTAMPTZOID],
             Stmt::PurgeBatch | Stmt::PurgeBatchUnlocked | Stmt::Backlog => vec![TIMESTAMPTZOID, INT8OID],
-            Stmt::ScanIds => vec![],
         };
         oids.into_iter().map(PgOid::BuiltIn).collect()
     }

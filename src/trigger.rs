@@ -1,0 +1,276 @@
+//! The `dedup_filter` trigger on every inbox table: whatever writes a row through SQL (mark()'s executor path,
+//! INSERT, COPY, a restore, logical replication) puts its id into the filter, right after the row is written.
+//!
+//! It is an AFTER INSERT OR UPDATE OF id row trigger, `ENABLE ALWAYS` (so it fires for COPY, restores and logical
+//! replication too). AFTER, because:
+//! - it hashes the id as stored, after any BEFORE trigger an owner added has rewritten it;
+//! - the row exists before its bits are set. A filter rotation clears a generation and then scans every table with
+//!   a dirty snapshot (rows of transactions still in progress included): a row written before the clear is seen
+//!   by the scan, a row written after it sets its bits after it. No rotation needs to wait for anyone.
+//!
+//! The filter may trust an inbox only while this trigger is in place, enabled always and AFTER (`State::Guarding`).
+//! Every DDL command that can change that (ALTER TABLE, CREATE/DROP/ALTER TRIGGER) ends with `watch_ddl`, an event
+//! trigger that stops trusting any inbox whose trigger is no longer guarding, at once, inside the very transaction
+//! that changed it: rows that transaction writes without the trigger can then never be missed. The background worker
+//! puts the trigger right (`repair`) and reloads the inbox.
+
+use crate::errors::{internal, server_log};
+use crate::shmem::namespace;
+use crate::{catalog, filter};
+use pgrx::prelude::*;
+
+pub const NAME: &str = "dedup_filter";
+
+/// How an inbox table's filter trigger stands.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum State {
+    /// In place, AFTER, enabled always: every row written through SQL reaches the filter.
+    Guarding,
+    Missing,
+    /// `ALTER TABLE ... DISABLE TRIGGER`.
+    Disabled,
+    /// `ENABLE TRIGGER` (origin mode, what `pg_restore --disable-triggers` leaves): silent under
+    /// `session_replication_role = replica`, i.e. for logical replication and some restores.
+    OnOrigin,
+    /// `ENABLE REPLICA TRIGGER`: fires only under `session_replication_role = replica`.
+    OnReplica,
+    /// A BEFORE trigger (as pg_dedup 0.2.0 made it, e.g. restored from its dump): its bits are set before the row
+    /// exists, which a rotation that does not wait cannot rely on.
+    Before,
+}
+
+impl State {
+    /// What `dedup.stats` shows.
+    pub fn label(self) -> &'static str {
+        match self {
+            State::Guarding => "ok",
+            State::Missing => "missing",
+            State::Disabled => "disabled",
+            State::OnOrigin => "enabled on origin only",
+            State::OnReplica => "enabled on replica only",
+            State::Before => "fires before the row is written",
+        }
+    }
+
+    /// The state of relation `rel` from its relcache entry.
+    ///
+    /// # Safety
+    /// `rel` must be an open relation.
+    pub unsafe fn of(rel: pg_sys::Relation) -> State {
+        let triggers = (*rel).trigdesc;
+        if triggers.is_null() {
+            return State::Missing;
+        }
+        let all = std::slice::from_raw_parts((*triggers).triggers, (*triggers).numtriggers as usize);
+        let Some(ours) = all.iter().find(|t| is_named_ours(t)) else { return State::Missing };
+        let kind = ours.tgtype as u32;
+        let row_after_insert_update = kind & pg_sys::TRIGGER_TYPE_ROW != 0
+            && kind & (pg_sys::TRIGGER_TYPE_BEFORE | pg_sys::TRIGGER_TYPE_INSTEAD) == 0
+            && kind & pg_sys::TRIGGER_TYPE_INSERT != 0
+            && kind & pg_sys::TRIGGER_TYPE_UPDATE != 0;
+        match ours.tgenabled as u8 {
+            _ if !row_after_insert_update => State::Before,
+            pg_sys::TRIGGER_FIRES_ALWAYS => State::Guarding,
+            pg_sys::TRIGGER_FIRES_ON_ORIGIN => State::OnOrigin,
+            pg_sys::TRIGGER_FIRES_ON_REPLICA => State::OnReplica,
+            _ => State::Disabled,
+        }
+    }
+
+    /// The state of table `relid`, read from its relcache entry without taking a lock (the caller holds one, or
+    /// accepts a state that may change right after).
+    pub fn of_table(relid: pg_sys::Oid) -> State {
+        // SAFETY: opened and closed here; NoLock is allowed for a relation the caller locked or merely inspects.
+        unsafe {
+            let rel = pg_sys::RelationIdGetRelation(relid);
+            if rel.is_null() {
+                return State::Missing;
+            }
+            let state = State::of(rel);
+            pg_sys::RelationClose(rel);
+            state
+        }
+    }
+}
+
+/// Is this trigger `dedup_filter` calling our trigger function (whatever its timing and mode)?
+///
+/// # Safety
+/// `t` must be a trigger of an open relation's trigger descriptor.
+unsafe fn is_named_ours(t: &pg_sys::Trigger) -> bool {
+    std::ffi::CStr::from_ptr(t.tgname).to_bytes() == NAME.as_bytes() && {
+        let function = pg_sys::get_func_name(t.tgfoid);
+        !function.is_null() && std::ffi::CStr::from_ptr(function).to_bytes() == b"inbox_filter_trigger"
+    }
+}
+
+/// Is this the filter trigger, guarding (the one trigger the direct insert may bypass, doing its work itself)?
+///
+/// # Safety
+/// As for `is_named_ours`.
+pub unsafe fn is_guarding(t: &pg_sys::Trigger) -> bool {
+    is_named_ours(t)
+        && t.tgenabled == pg_sys::TRIGGER_FIRES_ALWAYS as std::ffi::c_char
+        && (t.tgtype as u32) & (pg_sys::TRIGGER_TYPE_BEFORE | pg_sys::TRIGGER_TYPE_INSTEAD) == 0
+}
+
+/// The statements that put a guarding trigger on `table` (schema-qualified and quoted).
+pub fn create_sql(table: &str) -> String {
+    format!(
+        "CREATE TRIGGER {NAME} AFTER INSERT OR UPDATE OF id ON {table} \
+         FOR EACH ROW EXECUTE FUNCTION dedup.inbox_filter_trigger(); \
+         ALTER TABLE {table} ENABLE ALWAYS TRIGGER {NAME}"
+    )
+}
+
+/// Puts the trigger of `table` right (re-created, or re-enabled always), without waiting for a lock longer than a
+/// moment: true when it was repaired, false when the table is busy (try again later). Runs as the caller (the
+/// background worker, a superuser).
+pub fn repair(table: &str, state: State) -> bool {
+    let sql = match state {
+        State::Guarding => return true,
+        State::Disabled | State::OnOrigin | State::OnReplica => {
+            format!("ALTER TABLE {table} ENABLE ALWAYS TRIGGER {NAME}")
+        }
+        State::Missing | State::Before => format!("DROP TRIGGER IF EXISTS {NAME} ON {table}; {}", create_sql(table)),
+    };
+    crate::xact::undo_on(PgSqlErrorCode::ERRCODE_LOCK_NOT_AVAILABLE, || {
+        crate::guc::with_setting(c"lock_timeout", c"100ms", || {
+            Spi::run(&sql).unwrap_or_else(|e| internal("repairing the filter trigger", e))
+        })
+    })
+    .is_some()
+}
+
+/// Row trigger on every inbox table (AFTER INSERT OR UPDATE OF id, ENABLE ALWAYS): puts `NEW.id` into the filter
+/// once the row is written, whoever writes it (mark(), INSERT, COPY, a restore, logical replication).
+#[pg_trigger]
+fn inbox_filter_trigger<'a>(
+    trigger: &'a pgrx::PgTrigger<'a>,
+) -> Result<Option<PgHeapTuple<'a, AllocatedByPostgres>>, pgrx::heap_tuple::PgHeapTupleError> {
+    let new = trigger.new();
+    if filter::is_preloaded() {
+        if let Some(tuple) = &new {
+            let id_column = std::num::NonZeroUsize::new(1).expect("1 is not zero");
+            if let (Ok(Some(id)), Ok(relid)) = (tuple.get_by_index::<&str>(id_column), trigger.relid()) {
+                filter::add(namespace(relid), &[id]);
+            }
+        }
+    }
+    Ok(new)
+}
+
+/// The event trigger `dedup_watch_ddl` (ddl_command_end of ALTER TABLE and CREATE, DROP and ALTER TRIGGER): the
+/// filter stops trusting every inbox table of this database whose filter trigger is no longer guarding. Reads only
+/// pg_catalog and takes no lock, so it cannot make anyone's DDL fail or wait; it runs as whoever ran the command.
+#[pg_extern(sql = "
+    CREATE FUNCTION dedup.watch_ddl() RETURNS event_trigger LANGUAGE c
+    AS 'MODULE_PATHNAME', 'watch_ddl_wrapper';
+")]
+fn watch_ddl(_fcinfo: pg_sys::FunctionCallInfo) {
+    if !filter::is_preloaded() {
+        return;
+    }
+    for relid in catalog::tables() {
+        let state = State::of_table(relid);
+        if state != State::Guarding && filter::untrust(namespace(relid)) {
+            let table = catalog::table_name_of(relid).unwrap_or_default();
+            server_log!(
+                "pg_dedup: the Bloom filter stops answering for {table} until its {NAME} trigger is repaired (it is {})",
+                state.label()
+            );
+        }
+    }
+}
+
+#[cfg(any(test, feature = "pg_test"))]
+#[pg_schema]
+mod tests {
+    use super::State;
+    use crate::testing::*;
+    use pgrx::prelude::*;
+
+    fn state(inbox: &str) -> State {
+        State::of_table(one::<pg_sys::Oid>(&format!("SELECT 'dedup.inbox_{inbox}'::regclass::oid")))
+    }
+
+    fn trusted(inbox: &str) -> bool {
+        one::<bool>(&format!("SELECT filter_trusted FROM dedup.stats WHERE inbox = '{inbox}'"))
+    }
+
+    #[pg_test]
+    fn trigger_states_are_read_from_the_relcache() {
+        run("SELECT dedup.create_inbox('tg_states')");
+        assert_eq!(state("tg_states"), State::Guarding);
+        for (ddl, expected) in [
+            ("DISABLE TRIGGER dedup_filter", State::Disabled),
+            ("ENABLE TRIGGER dedup_filter", State::OnOrigin),
+            ("ENABLE REPLICA TRIGGER dedup_filter", State::OnReplica),
+            ("ENABLE ALWAYS TRIGGER dedup_filter", State::Guarding),
+            ("DISABLE TRIGGER ALL", State::Disabled),
+            ("ENABLE TRIGGER ALL", State::OnOrigin),
+        ] {
+            run(&format!("ALTER TABLE dedup.inbox_tg_states {ddl}"));
+            assert_eq!(state("tg_states"), expected, "after {ddl}");
+        }
+        run("DROP TRIGGER dedup_filter ON dedup.inbox_tg_states");
+        assert_eq!(state("tg_states"), State::Missing);
+        run("CREATE TRIGGER dedup_filter BEFORE INSERT OR UPDATE ON dedup.inbox_tg_states
+               FOR EACH ROW EXECUTE FUNCTION dedup.inbox_filter_trigger();
+             ALTER TABLE dedup.inbox_tg_states ENABLE ALWAYS TRIGGER dedup_filter");
+        assert_eq!(state("tg_states"), State::Before, "as pg_dedup 0.2.0 made it");
+    }
+
+    #[pg_test]
+    fn trigger_ddl_that_stops_it_guarding_stops_the_filter_at_once() {
+        run("SELECT dedup.create_inbox('tg_watch')");
+        assert!(trusted("tg_watch"));
+        run("ALTER TABLE dedup.inbox_tg_watch DISABLE TRIGGER dedup_filter");
+        run("ALTER TABLE dedup.inbox_tg_watch ENABLE ALWAYS TRIGGER dedup_filter");
+        // Guarding again, but rows could have been written meanwhile: only a load trusts it again.
+        assert_eq!(state("tg_watch"), State::Guarding);
+        assert!(!trusted("tg_watch"), "the event trigger stopped trusting the inbox when its trigger was disabled");
+        crate::rebuild::run(false).expect("no other rebuild runs");
+        assert!(trusted("tg_watch"));
+    }
+
+    #[pg_test]
+    fn trigger_rows_written_while_it_was_off_are_loaded_and_seen() {
+        run("SELECT dedup.create_inbox('tg_quiet')");
+        run("ALTER TABLE dedup.inbox_tg_quiet DISABLE TRIGGER ALL;
+             INSERT INTO dedup.inbox_tg_quiet SELECT 'q' || g, now() + interval '1 hour' FROM generate_series(1, 100) g;
+             ALTER TABLE dedup.inbox_tg_quiet ENABLE TRIGGER ALL");
+        assert_eq!(count("generate_series(1, 100) g WHERE NOT dedup.seen('q' || g, 'tg_quiet')"), 0);
+        let done = crate::rebuild::run(false).expect("no other rebuild runs");
+        assert!(
+            done.skipped.iter().any(|(_, why)| *why == crate::rebuild::Skipped::Unguarded(State::OnOrigin)),
+            "an inbox whose trigger is in origin mode is not loaded"
+        );
+        assert!(!trusted("tg_quiet"));
+        assert!(super::repair("dedup.inbox_tg_quiet", State::OnOrigin));
+        assert_eq!(state("tg_quiet"), State::Guarding);
+        crate::rebuild::run(false).expect("no other rebuild runs");
+        assert!(trusted("tg_quiet"));
+        assert_eq!(count("generate_series(1, 100) g WHERE NOT dedup.seen('q' || g, 'tg_quiet')"), 0);
+    }
+
+    #[pg_test]
+    fn trigger_repair_re_creates_a_missing_or_before_trigger() {
+        run("SELECT dedup.create_inbox('tg_repair'); DROP TRIGGER dedup_filter ON dedup.inbox_tg_repair");
+        assert!(super::repair("dedup.inbox_tg_repair", State::Missing));
+        assert_eq!(state("tg_repair"), State::Guarding);
+        run("ALTER TABLE dedup.inbox_tg_repair RENAME TO inbox_tg_renamed");
+        assert_eq!(state("tg_renamed"), State::Guarding, "a trigger follows its table");
+    }
+
+    #[pg_test]
+    fn trigger_hashes_the_id_as_stored_after_other_triggers_rewrote_it() {
+        run("SELECT dedup.create_inbox('tg_rewrite');
+             CREATE FUNCTION tg_upper() RETURNS trigger LANGUAGE plpgsql AS
+               $$ BEGIN NEW.id := upper(NEW.id); RETURN NEW; END $$;
+             CREATE TRIGGER zzz_upper BEFORE INSERT ON dedup.inbox_tg_rewrite FOR EACH ROW EXECUTE FUNCTION tg_upper();
+             INSERT INTO dedup.inbox_tg_rewrite VALUES ('lower', now() + interval '1 hour');");
+        assert!(trusted("tg_rewrite"));
+        assert!(one::<bool>("SELECT dedup.seen('LOWER', 'tg_rewrite')"));
+    }
+}

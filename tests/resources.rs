@@ -1,0 +1,207 @@
+//! Memory, encodings and errors (issue 12, item 4): `mark_many()` of a million ids stays within 3× the memory of
+//! the hand-written insert, dropped inboxes do not leak per-backend memory, a non-UTF8 database is refused with a
+//! clear error, `dedup.purge()` leaves a `SET LOCAL` local, concurrent drop/create of an inbox answers "does not
+//! exist", and errors PostgreSQL raises reach the client without a Rust backtrace.
+
+use pg_dedup_harness::postgres::Client;
+use pg_dedup_tests::*;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The anonymous (heap) memory of server process `pid`, in bytes: palloc'd and Rust memory, not shared buffers.
+fn anonymous_bytes(pid: i32) -> u64 {
+    let rollup = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap_or_default();
+    rollup
+        .lines()
+        .find_map(|l| l.strip_prefix("Anonymous:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map(|kb| kb * 1024)
+        .unwrap_or(0)
+}
+
+/// Runs `sql` on a fresh connection and returns how far the backend's heap grew above where it started, at its
+/// peak (sampled every millisecond while the statement runs).
+fn peak_growth(cluster: &Cluster, db: &str, setup: &str, sql: &str) -> u64 {
+    let mut c = cluster.connect(db);
+    c.batch_execute(setup).unwrap();
+    let pid = backend_pid(&mut c);
+    let start = anonymous_bytes(pid);
+    let done = Arc::new(AtomicBool::new(false));
+    let sampler = {
+        let done = done.clone();
+        std::thread::spawn(move || {
+            let mut peak = start;
+            while !done.load(Ordering::Relaxed) {
+                peak = peak.max(anonymous_bytes(pid));
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            peak.max(anonymous_bytes(pid))
+        })
+    };
+    c.batch_execute(sql).unwrap();
+    done.store(true, Ordering::Relaxed);
+    sampler.join().unwrap().saturating_sub(start)
+}
+
+const HAND_WRITTEN: &str = "INSERT INTO keys (id, expires_at) SELECT u, now() + interval '1 day' FROM unnest(
+    (SELECT ids FROM batch)) u ON CONFLICT (id) DO NOTHING RETURNING id";
+
+#[test]
+fn mark_many_of_a_million_ids_stays_within_three_times_the_hand_written_memory() {
+    let cluster = preloaded("postgres", &[]);
+    let mut c = cluster.fresh_db("mem_many");
+    c.batch_execute(
+        "CREATE TABLE keys (id text COLLATE \"C\" PRIMARY KEY, expires_at timestamptz NOT NULL);
+         CREATE TABLE batch AS SELECT array_agg(md5(g::text) || '-' || g) AS ids FROM generate_series(1, 1000000) g;
+         CREATE TABLE small AS SELECT array_agg(md5(g::text) || '-' || g) AS ids FROM generate_series(1, 100000) g;
+         SELECT dedup.bloom_rebuild();",
+    )
+    .unwrap();
+    // Returning every new id, as mark_many() does, and reading them as a client would.
+    let ours_sql = "SELECT count(*) FROM dedup.mark_many((SELECT ids FROM batch))";
+    let hand_sql = &format!("WITH i AS ({HAND_WRITTEN}) SELECT count(*) FROM i");
+    let hand_new = peak_growth(&cluster, "mem_many", "", hand_sql);
+    let ours_new = peak_growth(&cluster, "mem_many", "", ours_sql);
+    let hand_dup = peak_growth(&cluster, "mem_many", "", hand_sql);
+    let ours_dup = peak_growth(&cluster, "mem_many", "", ours_sql);
+    let ours_small =
+        peak_growth(&cluster, "mem_many", "", "SELECT count(*) FROM dedup.mark_many((SELECT ids FROM small))");
+    let mb = |b: u64| b as f64 / 1048576.0;
+    eprintln!(
+        "peak heap growth, 1M ids: new {:.1} MB (hand-written {:.1} MB), duplicates {:.1} MB (hand-written {:.1} MB); \
+         100k new ids {:.1} MB",
+        mb(ours_new),
+        mb(hand_new),
+        mb(ours_dup),
+        mb(hand_dup),
+        mb(ours_small)
+    );
+    assert!(ours_new <= 3 * hand_new.max(1 << 20), "new ids: {:.1} MB vs {:.1} MB", mb(ours_new), mb(hand_new));
+    assert!(ours_dup <= 3 * hand_dup.max(1 << 20), "duplicates: {:.1} MB vs {:.1} MB", mb(ours_dup), mb(hand_dup));
+    assert!(ours_new <= 15 * ours_small.max(1 << 20), "a cliff between 100k and 1M ids");
+}
+
+#[test]
+fn dropped_inboxes_leave_no_memory_behind_in_a_pooled_connection() {
+    let mut c = db("mem_names");
+    let pid = backend_pid(&mut c);
+    let round = |c: &mut Client, from: usize| {
+        for i in from..from + 300 {
+            c.batch_execute(&format!(
+                "SELECT dedup.create_inbox('n{i}'); SELECT dedup.mark('x', NULL, 'n{i}'); \
+                 SELECT dedup.seen('x', 'n{i}'); SELECT dedup.drop_inbox('n{i}')"
+            ))
+            .unwrap();
+        }
+    };
+    round(&mut c, 0);
+    let after_first = anonymous_bytes(pid);
+    round(&mut c, 300);
+    round(&mut c, 600);
+    let growth = anonymous_bytes(pid).saturating_sub(after_first);
+    assert!(growth < 1 << 20, "600 more dropped inboxes kept {} kB of this backend's memory", growth / 1024);
+}
+
+#[test]
+fn a_database_not_in_utf8_is_refused_with_a_clear_error() {
+    let mut admin = cluster().connect("postgres");
+    admin.batch_execute("DROP DATABASE IF EXISTS latin1").unwrap();
+    admin
+        .batch_execute("CREATE DATABASE latin1 ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0")
+        .unwrap();
+    let mut c = cluster().connect("latin1");
+    let err = c.batch_execute("CREATE EXTENSION pg_dedup").expect_err("pg_dedup needs UTF8");
+    assert_dedup_error::<()>(Err(err), "0A000");
+    let err = c.batch_execute("CREATE EXTENSION pg_dedup").expect_err("pg_dedup needs UTF8");
+    assert!(err.as_db_error().unwrap().message().contains("LATIN1"), "{err}");
+}
+
+#[test]
+fn purge_leaves_a_set_local_local() {
+    let mut c = db("purge_local");
+    c.batch_execute("BEGIN; SET LOCAL lock_timeout = '7s'; SELECT dedup.purge()").unwrap();
+    let inside: String = c.query_one("SHOW lock_timeout", &[]).unwrap().get(0);
+    assert_eq!(inside, "7s", "the caller's SET LOCAL holds inside its transaction");
+    c.batch_execute("COMMIT").unwrap();
+    let after: String = c.query_one("SHOW lock_timeout", &[]).unwrap().get(0);
+    assert_eq!(after, "0", "purge() turned a SET LOCAL into a session setting");
+    c.batch_execute("SET lock_timeout = '3s'; SELECT dedup.purge()").unwrap();
+    let session: String = c.query_one("SHOW lock_timeout", &[]).unwrap().get(0);
+    assert_eq!(session, "3s", "purge() changed the session's own setting");
+}
+
+#[test]
+fn concurrent_drop_and_create_of_an_inbox_answer_does_not_exist() {
+    let mut c = db("drop_race");
+    c.batch_execute("SELECT dedup.create_inbox('flux')").unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let churn = {
+        let stop = stop.clone();
+        let mut c = connect("drop_race");
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                c.batch_execute("SELECT dedup.drop_inbox('flux')").unwrap();
+                c.batch_execute("SELECT dedup.create_inbox('flux')").unwrap();
+            }
+        })
+    };
+    let markers: Vec<_> = (0..4)
+        .map(|t| {
+            let mut c = connect("drop_race");
+            std::thread::spawn(move || {
+                let mut codes = Vec::new();
+                for i in 0..200 {
+                    match c.query_one("SELECT dedup.mark($1, NULL, 'flux')", &[&format!("{t}-{i}")]) {
+                        Ok(_) => codes.push("ok".to_owned()),
+                        Err(e) => {
+                            codes.push(format!("{}: {}", sqlstate(&e), e.as_db_error().map_or("", |d| d.message())))
+                        }
+                    }
+                }
+                codes
+            })
+        })
+        .collect();
+    let codes: Vec<String> = markers.into_iter().flat_map(|m| m.join().unwrap()).collect();
+    stop.store(true, Ordering::Relaxed);
+    churn.join().unwrap();
+    let unexpected: Vec<&String> = codes.iter().filter(|c| *c != "ok" && !c.starts_with("42704:")).collect();
+    assert!(unexpected.is_empty(), "only 42704 may answer a mark racing drop/create: {unexpected:?}");
+    assert!(codes.iter().any(|c| c == "ok"), "some marks went through");
+}
+
+#[test]
+fn errors_postgres_raises_reach_the_client_without_a_rust_backtrace() {
+    // The server's environment asks for Rust backtraces, as this machine's does.
+    std::env::set_var("RUST_BACKTRACE", "1");
+    let cluster = preloaded("backtrace", &[]);
+    let mut holder = cluster.fresh_db("backtrace");
+    let mut c = cluster.connect("backtrace");
+    holder.batch_execute("BEGIN; SELECT dedup.mark('held')").unwrap();
+    let checks = [
+        ("SET lock_timeout = '100ms'", "SELECT dedup.mark('held')", "55P03", "canceling statement due to lock timeout"),
+        (
+            "SET statement_timeout = '100ms'",
+            "SELECT dedup.mark('held')",
+            "57014",
+            "canceling statement due to statement timeout",
+        ),
+    ];
+    for (setup, sql, code, message) in checks {
+        c.batch_execute(&format!("RESET ALL; {setup}")).unwrap();
+        let err = c.batch_execute(sql).expect_err(sql);
+        let db = err.as_db_error().expect("a server error");
+        assert_eq!(db.code().code(), code, "{err}");
+        assert_eq!(db.message(), message);
+        assert_eq!(db.detail(), None, "PostgreSQL's error was reported with a DETAIL of ours: {:?}", db.detail());
+    }
+    // A serialization failure, raised by the unique index under REPEATABLE READ.
+    c.batch_execute("RESET ALL; BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT 1").unwrap();
+    holder.batch_execute("COMMIT; SELECT dedup.mark('late')").unwrap();
+    let err = c.batch_execute("SELECT dedup.mark('late')").expect_err("40001");
+    let db = err.as_db_error().expect("a server error");
+    assert_eq!(db.code().code(), "40001", "{err}");
+    assert!(!db.detail().unwrap_or("").contains("backtrace"), "{:?}", db.detail());
+    assert!(!db.detail().unwrap_or("").contains("rust_begin_unwind"), "{:?}", db.detail());
+}
