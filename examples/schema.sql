@@ -12,3 +12,5 @@ INSERT INTO accounts (id) SELECT generate_series(1, 20);
 SELECT dedup.create_inbox('payments', '1 day');
 -- Webhook providers retry for days (Stripe: up to 3 days): keep the ids longer than that.
 SELECT dedup.create_inbox('webhooks', '30 days');
+-- Idempotency keys of the webhook example's POST /charges (clients retry within minutes; keep a day).
+SELECT dedup.create_inbox('idempotency_keys', '1 day');

@@ -4,9 +4,16 @@
 -- The inbox table type: every inbox is a table OF this type. Ids compare byte-wise (COLLATE "C"): they are opaque
 -- keys, C comparison is the fastest, and no OS collation upgrade can ever corrupt the UNIQUE index that decides
 -- what is a duplicate. Being typed, user inboxes depend on the extension: DROP EXTENSION cannot orphan them.
+-- A mark fills id and expires_at; a claim (dedup.claim(), docs/idempotency-keys.md) also the rest: the request's
+-- fingerprint, the stored result, the end of its lease, and whether it was completed (NULL for a mark). NULLs cost
+-- no bytes here: a row's null bitmap fits in the padding of its header.
 CREATE TYPE dedup.inbox_row AS (
-    id         text COLLATE "C",
-    expires_at timestamptz
+    id          text COLLATE "C",
+    expires_at  timestamptz,
+    fingerprint text,
+    result      jsonb,
+    lease_until timestamptz,
+    completed   boolean
 );
 
 -- One row per inbox. The table of inbox <name> is dedup.inbox_<name>.

@@ -13,7 +13,60 @@
 --    wait for running transactions any more), so every inbox table's dedup_filter trigger is re-created.
 -- 4. dedup.stats shows the state of each inbox's filter trigger (a new column, filter_trigger), and an event
 --    trigger stops the filter from answering for an inbox whose trigger DDL disables or removes.
+-- 5. Idempotency keys (docs/idempotency-keys.md): claim(), complete(), release() and fingerprint(), stored in the
+--    inboxes' own rows, which gain four columns (NULL for marks: no rewrite, and no byte more per mark), and
+--    dedup.stats gains their counters.
 \echo Use "ALTER EXTENSION pg_dedup UPDATE TO '0.3.0'" to load this file. \quit
+
+ALTER TYPE dedup.inbox_row
+    ADD ATTRIBUTE fingerprint text CASCADE,
+    ADD ATTRIBUTE result jsonb CASCADE,
+    ADD ATTRIBUTE lease_until timestamptz CASCADE,
+    ADD ATTRIBUTE completed boolean CASCADE;
+
+CREATE FUNCTION dedup.claim(
+	"id" TEXT,
+	"fingerprint" TEXT DEFAULT NULL,
+	"ttl" interval DEFAULT NULL,
+	"inbox" TEXT DEFAULT 'default',
+	"wait" bool DEFAULT true,
+	"lease" interval DEFAULT NULL
+) RETURNS TABLE (
+	"state" TEXT,
+	"result" jsonb
+)
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'claim_wrapper';
+CREATE FUNCTION dedup.complete(
+	"id" TEXT,
+	"result" jsonb DEFAULT NULL,
+	"inbox" TEXT DEFAULT 'default'
+) RETURNS void
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'complete_wrapper';
+CREATE FUNCTION dedup.release(
+	"id" TEXT,
+	"inbox" TEXT DEFAULT 'default'
+) RETURNS bool
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'release_wrapper';
+CREATE FUNCTION dedup.fingerprint("payload" jsonb) RETURNS TEXT
+IMMUTABLE PARALLEL SAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'fingerprint_jsonb_wrapper';
+CREATE FUNCTION dedup.fingerprint("payload" TEXT) RETURNS TEXT
+IMMUTABLE PARALLEL SAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'fingerprint_text_wrapper';
+CREATE FUNCTION dedup.fingerprint("payload" bytea) RETURNS TEXT
+IMMUTABLE PARALLEL SAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'fingerprint_bytea_wrapper';
+REVOKE ALL ON FUNCTION dedup.claim(text, text, interval, text, boolean, interval), dedup.complete(text, jsonb, text),
+    dedup.release(text, text), dedup.fingerprint(jsonb), dedup.fingerprint(text), dedup.fingerprint(bytea) FROM PUBLIC;
 
 DROP VIEW dedup.stats;
 DROP FUNCTION dedup.inbox_stats();
@@ -28,7 +81,12 @@ CREATE FUNCTION dedup.inbox_stats() RETURNS TABLE (
 	"certainly_new" bigint,
 	"false_positives" bigint,
 	"filter_trusted" bool,
-	"filter_trigger" TEXT
+	"filter_trigger" TEXT,
+	"claims_new" bigint,
+	"claims_completed" bigint,
+	"claims_in_progress" bigint,
+	"fingerprint_mismatches" bigint,
+	"lease_takeovers" bigint
 )
 STRICT VOLATILE PARALLEL SAFE
 LANGUAGE c
@@ -108,7 +166,7 @@ BEGIN
     END LOOP;
 
     FOR t IN
-        SELECT c.oid, c.oid::pg_catalog.regclass::text AS tbl, c.relowner,
+        SELECT c.oid, pg_catalog.format('dedup.%I', c.relname) AS tbl, c.relowner,
                (c.relrowsecurity
                 OR EXISTS (SELECT 1 FROM pg_catalog.pg_trigger g
                             WHERE g.tgrelid OPERATOR(pg_catalog.=) c.oid AND NOT g.tgisinternal

@@ -8,31 +8,11 @@ use crate::inbox::{self, Access};
 use crate::{claim, input, purge};
 use pgrx::prelude::*;
 
-/// Writes need a read-write transaction on a primary; say so plainly instead of Postgres' generic error.
-fn require_writable(function: &str) {
-    // SAFETY: reads backend-local state; no preconditions.
-    let (standby, read_only) = unsafe { (pg_sys::RecoveryInProgress(), pg_sys::XactReadOnly) };
-    if standby {
-        raise(
-            PgSqlErrorCode::ERRCODE_READ_ONLY_SQL_TRANSACTION,
-            format!("{function}() cannot run on a hot standby"),
-            "Marks are written on the primary; dedup.seen() works on a standby.",
-        )
-    }
-    if read_only {
-        raise(
-            PgSqlErrorCode::ERRCODE_READ_ONLY_SQL_TRANSACTION,
-            format!("{function}() cannot run in a read-only transaction"),
-            "Call it in a read-write transaction; dedup.seen() works in read-only ones.",
-        )
-    }
-}
-
 /// Records `id` in `inbox` for `ttl` (NULL: the inbox's default) inside the current transaction. True the first
 /// time within the window, false for a duplicate. Waits for a concurrent transaction marking the same id.
 #[pg_extern(volatile, parallel_unsafe)]
 fn mark(id: Option<&str>, ttl: default!(Option<Interval>, "NULL"), inbox: default!(Option<&str>, "'default'")) -> bool {
-    require_writable("mark");
+    input::require_writable("mark");
     let id = input::id(id);
     let ttl = ttl.map(input::ttl);
     let inbox = inbox::open(input::inbox_name(inbox), Access::Mark);
@@ -47,7 +27,7 @@ fn mark_many<'a>(
     ttl: default!(Option<Interval>, "NULL"),
     inbox: default!(Option<&str>, "'default'"),
 ) -> SetOfIterator<'a, &'a str> {
-    require_writable("mark_many");
+    input::require_writable("mark_many");
     let array = input::id_array(ids);
     let mut ids = input::ids(&array);
     let ttl = ttl.map(input::ttl);
@@ -91,7 +71,7 @@ fn seen(id: Option<&str>, inbox: default!(Option<&str>, "'default'")) -> bool {
 /// removed.
 #[pg_extern(volatile, parallel_unsafe)]
 fn forget(id: Option<&str>, inbox: default!(Option<&str>, "'default'")) -> bool {
-    require_writable("forget");
+    input::require_writable("forget");
     let id = input::id(id);
     let inbox = inbox::open(input::inbox_name(inbox), Access::Delete);
     claim::forget(&inbox, id)
@@ -100,7 +80,7 @@ fn forget(id: Option<&str>, inbox: default!(Option<&str>, "'default'")) -> bool 
 /// Creates an inbox: an independent namespace of marks (one per consumer of the same events).
 #[pg_extern(volatile, parallel_unsafe)]
 fn create_inbox(name: Option<&str>, default_ttl: default!(Option<Interval>, "'3 days'")) {
-    require_writable("create_inbox");
+    input::require_writable("create_inbox");
     input::require_utf8_database();
     let name = input::inbox_name(name);
     let Some(default_ttl) = default_ttl else {
@@ -116,7 +96,7 @@ fn create_inbox(name: Option<&str>, default_ttl: default!(Option<Interval>, "'3 
 /// Drops an inbox and every mark in it.
 #[pg_extern(volatile, parallel_unsafe)]
 fn drop_inbox(name: Option<&str>) {
-    require_writable("drop_inbox");
+    input::require_writable("drop_inbox");
     inbox::drop(input::inbox_name(name));
 }
 
@@ -124,7 +104,7 @@ fn drop_inbox(name: Option<&str>) {
 /// Returns how many were deleted. Works without the background worker, e.g. from cron or pg_cron.
 #[pg_extern(volatile, parallel_unsafe)]
 fn purge(inbox: default!(Option<&str>, "NULL"), max_rows: default!(Option<i64>, "NULL")) -> i64 {
-    require_writable("purge");
+    input::require_writable("purge");
     let max_rows = input::max_rows(max_rows);
     let names = match inbox {
         Some(name) => vec![input::inbox_name(Some(name)).to_owned()],

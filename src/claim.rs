@@ -28,7 +28,7 @@ use std::cell::Cell;
 
 /// Rounds of insert/probe/renew before giving up. Each extra round needs a concurrent purge or forget of the very
 /// same id between two statements, so more than a couple of rounds means something is badly wrong.
-const MAX_ROUNDS: usize = 16;
+pub const MAX_ROUNDS: usize = 16;
 
 thread_local! {
     static TOLD_DEGRADED: Cell<bool> = const { Cell::new(false) };
@@ -86,6 +86,18 @@ fn suspects<'a>(filter: &Trusted, inbox: &Inbox, ids: &[&'a str]) -> HashSet<&'a
     inbox.count(Counter::Lookups, ids.len() as u64);
     inbox.count(Counter::CertainlyNew, (ids.len() - suspects.len()) as u64);
     suspects
+}
+
+/// Does the filter vouch that `id` was never written to `inbox` (and so may go straight in)? False when no filter
+/// answers. Keeps the inbox's lookup counters.
+pub fn certainly_new(inbox: &Inbox, id: &str) -> bool {
+    let Some(filter) = trusted_filter(inbox) else { return false };
+    inbox.count(Counter::Lookups, 1);
+    let certainly_new = !filter.may_contain(id);
+    if certainly_new {
+        inbox.count(Counter::CertainlyNew, 1);
+    }
+    certainly_new
 }
 
 /// When a mark made now expires: `ttl` (already validated) or the inbox's default (validated when created).
@@ -159,7 +171,7 @@ fn claim(inbox: &Inbox, ids: &[&str], suspects: Option<&HashSet<&str>>, expires_
             out.false_positives = (probe_first.len() - duplicates) as u64;
         }
         if !pending.is_empty() {
-            let inserted = direct_insert::insert(inbox, &pending, expires_at);
+            let inserted = direct_insert::insert(inbox, &pending, &direct_insert::Row::mark(expires_at));
             if inserted.len() == pending.len() {
                 pending.clear();
             } else {

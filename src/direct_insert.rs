@@ -31,18 +31,63 @@ const MIN_IDS: usize = 8;
 
 /// Inserts what it can of `ids` (sorted, distinct) with `expires_at` and returns the ids it inserted. Nothing was
 /// written for the others: the table needs the executor, or the id had a row after all.
-pub fn insert(inbox: &Inbox, ids: &[String], expires_at: TimestampWithTimeZone) -> Vec<String> {
+/// What goes into the row beside its id: the window, and for a claim (`idempotency`) its fingerprint, lease and
+/// completion state (a mark leaves them NULL).
+#[derive(Clone, Copy)]
+pub struct Row<'a> {
+    pub expires_at: TimestampWithTimeZone,
+    pub fingerprint: Option<&'a str>,
+    pub lease_until: Option<TimestampWithTimeZone>,
+    pub completed: Option<bool>,
+}
+
+impl Row<'_> {
+    /// A plain mark's row.
+    pub fn mark(expires_at: TimestampWithTimeZone) -> Row<'static> {
+        Row { expires_at, fingerprint: None, lease_until: None, completed: None }
+    }
+}
+
+/// The values of a row but its id, as datums (the fingerprint's text is allocated in the current memory context).
+struct Values {
+    datums: [pg_sys::Datum; 5],
+    nulls: [bool; 5],
+}
+
+impl Values {
+    fn of(row: &Row) -> Values {
+        let text = |s: &str| {
+            // SAFETY: copies the bytes into a text datum of the current memory context.
+            pg_sys::Datum::from(unsafe {
+                pg_sys::cstring_to_text_with_len(s.as_ptr() as *const std::ffi::c_char, s.len() as i32)
+            })
+        };
+        let values = [
+            row.expires_at.into_datum(),
+            row.fingerprint.map(text),
+            None, // result: only complete() writes it
+            row.lease_until.and_then(|t| t.into_datum()),
+            row.completed.and_then(|c| c.into_datum()),
+        ];
+        Values {
+            datums: values.map(|v| v.unwrap_or(pg_sys::Datum::from(0))),
+            nulls: values.map(|v| v.is_none()),
+        }
+    }
+}
+
+pub fn insert(inbox: &Inbox, ids: &[String], row: &Row) -> Vec<String> {
     if !inbox.shape().plain {
         return Vec::new();
     }
     // SAFETY: the inbox was opened (and locked) by this transaction; the relation is closed below.
     let rel = unsafe { pg_sys::table_open(inbox.relid, pg_sys::RowExclusiveLock as pg_sys::LOCKMODE) };
-    let expires_at = expires_at.into_datum().expect("a timestamp is a datum");
-    let inserted = if ids.len() >= MIN_IDS && xact::has_room() && insert_all(rel, inbox.ns, ids, expires_at) {
+    let values = Values::of(row);
+    let inserted = if ids.len() >= MIN_IDS && xact::has_room() && insert_all(rel, inbox.ns, ids, &values) {
         ids.to_vec()
     } else {
         // SAFETY: as above, and the table qualified.
-        unsafe { insert_each(rel, inbox.ns, ids, expires_at) }
+        unsafe { insert_each(rel, inbox.ns, ids, &values) }
     };
     // SAFETY: closes what was opened above, keeping the lock until the transaction ends.
     unsafe {
@@ -56,9 +101,9 @@ pub fn insert(inbox: &Inbox, ids: &[String], expires_at: TimestampWithTimeZone) 
 }
 
 /// All of `ids` in one multi-insert, or (when one of them has a row) none.
-fn insert_all(rel: pg_sys::Relation, ns: u64, ids: &[String], expires_at: pg_sys::Datum) -> bool {
+fn insert_all(rel: pg_sys::Relation, ns: u64, ids: &[String], values: &Values) -> bool {
     // SAFETY: `rel` is the open, qualifying inbox table of `insert`.
-    xact::undo_on(PgSqlErrorCode::ERRCODE_UNIQUE_VIOLATION, || unsafe { write_rows(rel, ns, ids, expires_at) })
+    xact::undo_on(PgSqlErrorCode::ERRCODE_UNIQUE_VIOLATION, || unsafe { write_rows(rel, ns, ids, values) })
         .is_some()
 }
 
@@ -66,11 +111,11 @@ fn insert_all(rel: pg_sys::Relation, ns: u64, ids: &[String], expires_at: pg_sys
 ///
 /// # Safety
 /// `rel` must be an inbox table opened with RowExclusiveLock whose shape is `plain`.
-unsafe fn insert_each(rel: pg_sys::Relation, ns: u64, ids: &[String], expires_at: pg_sys::Datum) -> Vec<String> {
+unsafe fn insert_each(rel: pg_sys::Relation, ns: u64, ids: &[String], values: &Values) -> Vec<String> {
     with_indexes(rel, |estate, result_rel| {
         let slot = row_slots(rel, 1)[0];
         let inserted =
-            ids.iter().filter(|id| insert_one(rel, ns, (estate, result_rel), slot, id, expires_at)).cloned().collect();
+            ids.iter().filter(|id| insert_one(rel, ns, (estate, result_rel), slot, id, values)).cloned().collect();
         pg_sys::ExecDropSingleTupleTableSlot(slot);
         inserted
     })
@@ -88,9 +133,9 @@ unsafe fn insert_one(
     (estate, result_rel): (*mut pg_sys::EState, *mut pg_sys::ResultRelInfo),
     slot: *mut pg_sys::TupleTableSlot,
     id: &str,
-    expires_at: pg_sys::Datum,
+    values: &Values,
 ) -> bool {
-    store_row(slot, id, expires_at);
+    store_row(slot, id, values);
     let xid = pg_sys::GetCurrentTransactionId();
     let token = pg_sys::SpeculativeInsertionLockAcquire(xid);
     pg_sys::table_tuple_insert_speculative(
@@ -117,11 +162,11 @@ unsafe fn insert_one(
 ///
 /// # Safety
 /// As for `insert_each`.
-unsafe fn write_rows(rel: pg_sys::Relation, ns: u64, ids: &[String], expires_at: pg_sys::Datum) {
+unsafe fn write_rows(rel: pg_sys::Relation, ns: u64, ids: &[String], values: &Values) {
     with_indexes(rel, |estate, result_rel| {
         let slots = row_slots(rel, ids.len());
         for (&slot, id) in slots.iter().zip(ids) {
-            store_row(slot, id, expires_at);
+            store_row(slot, id, values);
         }
         let multi_insert = (*(*rel).rd_tableam).multi_insert.expect("every table access method can multi-insert");
         let cid = pg_sys::GetCurrentCommandId(true);
@@ -169,17 +214,19 @@ unsafe fn row_slots(rel: pg_sys::Relation, n: usize) -> Vec<*mut pg_sys::TupleTa
     (0..n).map(|_| pg_sys::MakeSingleTupleTableSlot(desc, pg_sys::table_slot_callbacks(rel))).collect()
 }
 
-/// Makes `slot` hold the row (`id`, `expires_at`).
+/// Makes `slot` hold the row of `id` with `values`.
 ///
 /// # Safety
 /// `slot` must be a slot of the inbox row type (from `row_slots`).
-unsafe fn store_row(slot: *mut pg_sys::TupleTableSlot, id: &str, expires_at: pg_sys::Datum) {
+unsafe fn store_row(slot: *mut pg_sys::TupleTableSlot, id: &str, values: &Values) {
     pg_sys::ExecClearTuple(slot);
     let text = pg_sys::cstring_to_text_with_len(id.as_ptr() as *const std::ffi::c_char, id.len() as i32);
     *(*slot).tts_values.add(0) = pg_sys::Datum::from(text);
-    *(*slot).tts_values.add(1) = expires_at;
     *(*slot).tts_isnull.add(0) = false;
-    *(*slot).tts_isnull.add(1) = false;
+    for (i, (datum, null)) in values.datums.iter().zip(values.nulls).enumerate() {
+        *(*slot).tts_values.add(i + 1) = *datum;
+        *(*slot).tts_isnull.add(i + 1) = null;
+    }
     pg_sys::ExecStoreVirtualTuple(slot);
 }
 
@@ -198,10 +245,10 @@ mod tests {
     fn direct_insert_writes_rows_their_index_entries_and_filter_bits() {
         run("SELECT dedup.create_inbox('di_rows')");
         let inbox = open("di_rows", Access::Mark);
-        let expires = one::<TimestampWithTimeZone>("SELECT now() + interval '1 hour'");
+        let row = super::Row::mark(one::<TimestampWithTimeZone>("SELECT now() + interval '1 hour'"));
         let batch = ids("b", 20);
-        assert_eq!(super::insert(&inbox, &batch, expires), batch, "a batch goes in whole");
-        assert_eq!(super::insert(&inbox, &["single".to_owned()], expires), ["single"]);
+        assert_eq!(super::insert(&inbox, &batch, &row), batch, "a batch goes in whole");
+        assert_eq!(super::insert(&inbox, &["single".to_owned()], &row), ["single"]);
         assert_eq!(count("dedup.inbox_di_rows"), 21);
         run("SET LOCAL enable_seqscan = off");
         assert_eq!(count("dedup.inbox_di_rows WHERE id = 'b0007'"), 1, "the primary key has the row");
@@ -214,9 +261,9 @@ mod tests {
     fn direct_insert_leaves_ids_that_have_a_row_to_the_caller() {
         run("SELECT dedup.create_inbox('di_conflict'); SELECT dedup.mark('b0005', NULL, 'di_conflict')");
         let inbox = open("di_conflict", Access::Mark);
-        let expires = one::<TimestampWithTimeZone>("SELECT now() + interval '1 hour'");
+        let row = super::Row::mark(one::<TimestampWithTimeZone>("SELECT now() + interval '1 hour'"));
         let batch = ids("b", 12);
-        let inserted = super::insert(&inbox, &batch, expires);
+        let inserted = super::insert(&inbox, &batch, &row);
         assert_eq!(inserted.len(), 11, "the undone batch went in id by id, all but the one with a row");
         assert!(!inserted.contains(&"b0005".to_owned()));
         assert_eq!(count("dedup.inbox_di_conflict"), 12);
@@ -230,8 +277,8 @@ mod tests {
              ALTER TABLE dedup.inbox_di_reshaped ADD COLUMN note text DEFAULT 'default'");
         let inbox = open("di_reshaped", Access::Mark);
         assert!(!inbox.shape().plain);
-        let expires = one::<TimestampWithTimeZone>("SELECT now() + interval '1 hour'");
-        assert!(super::insert(&inbox, &ids("x", 10), expires).is_empty(), "nothing written behind the executor's back");
+        let row = super::Row::mark(one::<TimestampWithTimeZone>("SELECT now() + interval '1 hour'"));
+        assert!(super::insert(&inbox, &ids("x", 10), &row).is_empty(), "nothing written behind the executor's back");
         assert_eq!(column("SELECT * FROM dedup.mark_many(ARRAY['x1','x2'], NULL, 'di_reshaped')").len(), 2);
         assert_eq!(count("dedup.inbox_di_reshaped WHERE note = 'default'"), 2);
     }

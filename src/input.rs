@@ -4,6 +4,26 @@
 use crate::errors::raise;
 use pgrx::prelude::*;
 
+/// Writes need a read-write transaction on a primary; say so plainly instead of Postgres' generic error.
+pub fn require_writable(function: &str) {
+    // SAFETY: reads backend-local state; no preconditions.
+    let (standby, read_only) = unsafe { (pg_sys::RecoveryInProgress(), pg_sys::XactReadOnly) };
+    if standby {
+        raise(
+            PgSqlErrorCode::ERRCODE_READ_ONLY_SQL_TRANSACTION,
+            format!("{function}() cannot run on a hot standby"),
+            "Marks are written on the primary; dedup.seen() works on a standby.",
+        )
+    }
+    if read_only {
+        raise(
+            PgSqlErrorCode::ERRCODE_READ_ONLY_SQL_TRANSACTION,
+            format!("{function}() cannot run in a read-only transaction"),
+            "Call it in a read-write transaction; dedup.seen() works in read-only ones.",
+        )
+    }
+}
+
 /// Longest id accepted, in bytes. The UNIQUE btree index holds at most ~2.7 kB per entry on 8 kB pages; 2 KiB keeps
 /// a wide margin so callers never meet Postgres' raw "index row size exceeds maximum" error.
 pub const MAX_ID_BYTES: usize = 2048;
@@ -67,20 +87,36 @@ pub fn ids<'arr>(ids: &'arr Array<'_, &str>) -> Vec<&'arr str> {
 /// A time-to-live must be a positive, finite, sane interval. Mixed-sign intervals ('1 day -2 hours') are refused:
 /// whether they are positive depends on the calendar, and no caller means them.
 pub fn ttl(ttl: Interval) -> Interval {
-    let (months, days, micros) = (ttl.months() as i64, ttl.days() as i64, ttl.micros());
-    let hint = "Pass a positive interval such as '3 days' or '15 minutes', or NULL for the inbox's default.";
+    positive_interval(
+        "ttl",
+        ttl,
+        "Pass a positive interval such as '3 days' or '15 minutes', or NULL for the inbox's default.",
+    )
+}
+
+/// A lease, like a ttl, is a positive, sane interval.
+pub fn lease(lease: Interval) -> Interval {
+    positive_interval(
+        "lease",
+        lease,
+        "Pass a positive interval such as '30 seconds', as long as the work outside the database may take.",
+    )
+}
+
+fn positive_interval(name: &str, value: Interval, hint: &str) -> Interval {
+    let (months, days, micros) = (value.months() as i64, value.days() as i64, value.micros());
     if months < 0 || days < 0 || micros < 0 || (months == 0 && days == 0 && micros == 0) {
-        raise(PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE, format!("ttl must be positive, got {ttl}"), hint)
+        raise(PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE, format!("{name} must be positive, got {value}"), hint)
     }
     let approx_days = months.saturating_mul(31).saturating_add(days).saturating_add(micros / 86_400_000_000);
     if approx_days > MAX_TTL_DAYS {
         raise(
             PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE,
-            format!("ttl {ttl} is too long; the limit is {MAX_TTL_DAYS} days (about 10 years)"),
+            format!("{name} {value} is too long; the limit is {MAX_TTL_DAYS} days (about 10 years)"),
             hint,
         )
     }
-    ttl
+    value
 }
 
 /// Inbox names become part of a table name, so they are plain lower-case identifiers: no quoting, no surprises.
@@ -197,4 +233,32 @@ mod tests {
         assert!(one::<bool>("SELECT dedup.mark('café-ünïcode-✓')"));
         assert!(one::<bool>("SELECT dedup.seen('café-ünïcode-✓')"));
     }
+}
+
+/// Longest fingerprint accepted, in bytes (`dedup.fingerprint()` gives 64).
+pub const MAX_FINGERPRINT_BYTES: usize = 1024;
+
+/// A fingerprint is optional (NULL: not checked), but not empty and not longer than `MAX_FINGERPRINT_BYTES`.
+pub fn fingerprint(fingerprint: Option<&str>) -> Option<&str> {
+    let hint = "Pass dedup.fingerprint(<request payload>), any text of at most 1024 bytes, or NULL not to check.";
+    match fingerprint {
+        Some("") => raise(PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE, "fingerprint must not be empty", hint),
+        Some(f) if f.len() > MAX_FINGERPRINT_BYTES => raise(
+            PgSqlErrorCode::ERRCODE_PROGRAM_LIMIT_EXCEEDED,
+            format!("fingerprint is {} bytes long; the limit is {MAX_FINGERPRINT_BYTES} bytes", f.len()),
+            hint,
+        ),
+        other => other,
+    }
+}
+
+/// A flag that must not be NULL.
+pub fn flag(name: &str, value: Option<bool>) -> bool {
+    value.unwrap_or_else(|| {
+        raise(
+            PgSqlErrorCode::ERRCODE_NULL_VALUE_NOT_ALLOWED,
+            format!("{name} must not be NULL"),
+            format!("Pass true or false, or leave {name} out for its default."),
+        )
+    })
 }

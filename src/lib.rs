@@ -3,6 +3,8 @@
 //! Table of contents:
 //! - `api`     — the SQL functions in schema `dedup` (mark, mark_many, seen, forget, inboxes, purge)
 //! - `claim`   — the claim algorithm: ask the filter, insert, wait for concurrent claims, renew expired marks
+//! - `idempotency` — idempotency keys: claim(), complete(), release(), fingerprint()
+//! - `jsonb`   — a jsonb value passed through without parsing (stored results)
 //! - `direct_insert` — certainly-new ids straight into heap and indexes, without the executor
 //! - `inbox`   — inbox tables: their statements, the registry, and the per-backend cache
 //! - `filter`  — the shared-memory Bloom filter in front of the indexes (preloaded only)
@@ -30,8 +32,10 @@ mod direct_insert;
 mod errors;
 mod filter;
 mod guc;
+mod idempotency;
 mod inbox;
 mod input;
+mod jsonb;
 mod ports;
 mod purge;
 mod rebuild;

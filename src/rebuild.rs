@@ -1,6 +1,6 @@
 //! Loading inbox tables into the shared filter: after a restart (nothing is trusted until loaded), for inboxes
 //! created by a restore or whose trigger was repaired, and when a rotation makes a fresh generation to shed expired
-//! marks. Also the background worker's upkeep of the filter (`look_after_filter`).
+//! marks. Also the background worker's upkeep of the filter (`repair_triggers`, then `look_after_filter`).
 
 use crate::errors::{raise, server_log};
 use crate::filter::{self, RebuildGuard};
@@ -195,20 +195,26 @@ thread_local! {
     static TOLD: RefCell<HashMap<pg_sys::Oid, Skipped>> = RefCell::new(HashMap::new());
 }
 
-/// The background worker's round of filter upkeep: frees the shared state of inbox tables that are gone, repairs
-/// filter triggers that stopped guarding, loads inboxes the active generation does not cover, and rotates when
-/// expired marks have pushed the measured false-positive rate above target. Waits for no other transaction.
-pub fn look_after_filter() {
+/// The first half of the background worker's round of filter upkeep, in a transaction of its own: frees the
+/// shared state of inbox tables that are gone, and repairs the filter triggers of untrusted inboxes that stopped
+/// guarding. (A repair holds the table in SHARE ROW EXCLUSIVE mode, which writers wait for, until its transaction
+/// ends: it must not last as long as the load that follows.)
+pub fn repair_triggers() {
     let Some(region) = shmem::region() else { return };
     let tables = catalog::tables();
     // SAFETY: reads a backend global, set once connected.
     let database = unsafe { pg_sys::MyDatabaseId };
     region.free_entries(|ns| shmem::database_of(ns) == database && !tables.contains(&shmem::relation_of(ns)));
-    let untrusted = filter::untrusted(&tables);
-    if !untrusted.is_empty() {
-        for &relid in &untrusted {
-            repair_trigger(relid);
-        }
+    for relid in filter::untrusted(&tables) {
+        repair_trigger(relid);
+    }
+}
+
+/// The second half, in a transaction of its own: loads inboxes the active generation does not cover, and rotates
+/// when expired marks have pushed the measured false-positive rate above target. Waits for no other transaction.
+pub fn look_after_filter() {
+    let Some(region) = shmem::region() else { return };
+    if !filter::untrusted(&catalog::tables()).is_empty() {
         if let Some(done) = run(false) {
             if done.inboxes > 0 {
                 server_log!(

@@ -38,6 +38,13 @@ counters! {
     CertainlyNew,
     FalsePositives,
     Purged,
+    // claim(): keys claimed, replays of completed keys, in_progress answers, fingerprint mismatches, and keys
+    // taken over from a lease that passed.
+    ClaimsNew,
+    ClaimsCompleted,
+    ClaimsInProgress,
+    FingerprintMismatches,
+    LeaseTakeovers,
 }
 
 #[repr(C)]

@@ -45,6 +45,11 @@ fn inbox_stats() -> TableIterator<
         name!(false_positives, Option<i64>),
         name!(filter_trusted, bool),
         name!(filter_trigger, String),
+        name!(claims_new, Option<i64>),
+        name!(claims_completed, Option<i64>),
+        name!(claims_in_progress, Option<i64>),
+        name!(fingerprint_mismatches, Option<i64>),
+        name!(lease_takeovers, Option<i64>),
     ),
 > {
     let rows: Vec<_> = inbox::all_names()
@@ -65,8 +70,13 @@ fn inbox_stats() -> TableIterator<
                     f.get(Counter::FalsePositives),
                     f.trusted,
                     trigger,
+                    f.get(Counter::ClaimsNew),
+                    f.get(Counter::ClaimsCompleted),
+                    f.get(Counter::ClaimsInProgress),
+                    f.get(Counter::FingerprintMismatches),
+                    f.get(Counter::LeaseTakeovers),
                 ),
-                None => (name, None, None, None, None, None, None, None, None, false, trigger),
+                None => (name, None, None, None, None, None, None, None, None, false, trigger, None, None, None, None, None),
             }
         })
         .collect();

@@ -215,6 +215,7 @@ pub extern "C-unwind" fn pg_dedup_worker_main(arg: pg_sys::Datum) {
         told_missing = !installed;
         let interval = Duration::from_secs(guc::PURGE_INTERVAL.get().max(1) as u64);
         if installed {
+            in_transaction("repairing filter triggers", rebuild::repair_triggers);
             in_transaction("looking after the Bloom filter", rebuild::look_after_filter);
             if guc::PURGE.get() && last_purge.is_none_or(|t| t.elapsed() >= interval) {
                 last_purge = Some(Instant::now());

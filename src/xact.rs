@@ -49,7 +49,8 @@ pub fn subtransaction<R>(body: impl FnOnce() -> R) -> Result<R, pg_sys::panic::C
     // valid across an unwind.
     let body = std::panic::AssertUnwindSafe(body);
     // SAFETY: reads backend globals.
-    let (context, owner) = unsafe { (pg_sys::CurrentMemoryContext, pg_sys::CurrentResourceOwner) };
+    let (context, owner, error_context) =
+        unsafe { (pg_sys::CurrentMemoryContext, pg_sys::CurrentResourceOwner, pg_sys::error_context_stack) };
     // Like PL/pgSQL: the body allocates in the caller's memory context, but what it acquires (buffer pins, locks,
     // relation references) belongs to the subtransaction's resource owner, so the rollback releases it. The
     // caller's owner comes back only once the subtransaction is over.
@@ -57,6 +58,8 @@ pub fn subtransaction<R>(body: impl FnOnce() -> R) -> Result<R, pg_sys::panic::C
     let restore = move || unsafe {
         pg_sys::MemoryContextSwitchTo(context);
         pg_sys::CurrentResourceOwner = owner;
+        // As PG_CATCH does: an error caught here leaves no error context callback of the failed code linked.
+        pg_sys::error_context_stack = error_context;
     };
     // SAFETY: inside a transaction (every caller runs in one); ended on every path below.
     unsafe {

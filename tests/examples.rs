@@ -140,8 +140,14 @@ fn rust_consumer() {
 
 /// One HTTP/1.1 POST to the webhook; returns the status code and the body.
 fn post(port: u16, headers: &[(&str, &str)], body: &str) -> (u16, String) {
+    let (status, _, body) = post_to(port, "/webhook", headers, body);
+    (status, body)
+}
+
+/// One HTTP/1.1 POST to `path`; returns the status code, the response's head and its body.
+fn post_to(port: u16, path: &str, headers: &[(&str, &str)], body: &str) -> (u16, String, String) {
     let mut stream = TcpStream::connect(("127.0.0.1", port)).expect("connect to the webhook");
-    let mut request = String::from("POST /webhook HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n");
+    let mut request = format!("POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n");
     for (name, value) in headers {
         request.push_str(&format!("{name}: {value}\r\n"));
     }
@@ -150,7 +156,8 @@ fn post(port: u16, headers: &[(&str, &str)], body: &str) -> (u16, String) {
     let mut response = String::new();
     stream.read_to_string(&mut response).expect("read the response");
     let status = response.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap_or_else(|| panic!("{response:?}"));
-    (status, response.split("\r\n\r\n").nth(1).unwrap_or_default().to_owned())
+    let (head, body) = response.split_once("\r\n\r\n").unwrap_or_default();
+    (status, head.to_owned(), body.to_owned())
 }
 
 fn payment(id: &str, account: i32, amount: i64) -> String {
@@ -219,6 +226,27 @@ fn webhook() {
         .collect();
     assert_eq!(balances, [(1, 100), (2, 50)], "each payment applied exactly once");
     assert_eq!(count(&mut client, "dedup.inbox_webhooks"), 3, "evt_1, evt_2 and evt_4 marked");
+
+    // The idempotent API: a client retries POST /charges with its Idempotency-Key.
+    let charge = r#"{"account": 5, "amount": 30}"#;
+    let (status, head, first) = post_to(port, "/charges", &[("Idempotency-Key", "k1")], charge);
+    assert_eq!((status, first.as_str()), (201, r#"{"account": 5, "charged": 30, "balance": 30}"#));
+    assert!(!head.contains("Idempotent-Replayed"));
+    let (status, head, again) = post_to(port, "/charges", &[("Idempotency-Key", "k1")], r#"{"amount": 30, "account": 5}"#);
+    assert_eq!((status, again.as_str()), (201, first.as_str()), "a retry gets the stored response");
+    assert!(head.contains("Idempotent-Replayed: true"), "{head}");
+    let (status, _, _) = post_to(port, "/charges", &[("Idempotency-Key", "k1")], r#"{"account": 5, "amount": 31}"#);
+    assert_eq!(status, 422, "the key came back with another request");
+    // While another request holds the key: 409 at once.
+    let mut holder = connect("webhook");
+    holder.batch_execute("BEGIN; SELECT dedup.claim('k2', NULL, NULL, 'idempotency_keys')").unwrap();
+    let (status, _, _) = post_to(port, "/charges", &[("Idempotency-Key", "k2")], charge);
+    assert_eq!(status, 409);
+    holder.batch_execute("ROLLBACK").unwrap();
+    assert_eq!(post_to(port, "/charges", &[("Idempotency-Key", "k2")], charge).0, 201, "released: processed");
+    assert_eq!(post_to(port, "/charges", &[], charge).0, 400, "no key");
+    let balance: i64 = client.query_one("SELECT balance FROM accounts WHERE id = 5", &[]).unwrap().get(0);
+    assert_eq!(balance, 60, "k1 and k2 charged once each");
 }
 
 #[test]

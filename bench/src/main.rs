@@ -5,7 +5,7 @@
 //! table, for GitHub) and .svg (the ratios and the growth curve).
 //!
 //! BENCH_QUICK=1 runs fewer rounds on smaller inputs (under two minutes); BENCH_ONLY=clients,growth runs only the
-//! sections named (filter, expiry, clients, instructions, growth) and writes no results files; BENCH_VERBOSE=1 prints every
+//! sections named (filter, expiry, clients, idempotency, instructions, growth) and writes no results files; BENCH_VERBOSE=1 prints every
 //! client-side run.
 
 mod chart;
@@ -15,6 +15,7 @@ mod expiry;
 mod filter;
 mod fsync;
 mod growth;
+mod idempotency;
 mod instructions;
 mod machine;
 mod pgbench;
@@ -235,6 +236,7 @@ fn main() {
     section("filter", &mut |c| filter::scenarios(c, &scale));
     section("expiry", &mut |c| expiry::scenarios(c, &scale));
     section("clients", &mut |c| clients::scenarios(c, &pgbench, cluster.socket_dir(), &scale));
+    section("idempotency", &mut |c| idempotency::scenarios(c, &pgbench, &scale));
     section("instructions", &mut |_| instructions::scenarios(&scale));
     section("growth", &mut |c| {
         let (rows, points) = growth::scenarios(c, &pgbench, &scale);

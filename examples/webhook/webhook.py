@@ -11,9 +11,17 @@ The key is the provider's event id: Stripe's body field "id" ("evt_..."), or a h
 
 A real receiver first checks the provider's signature (e.g. the Stripe-Signature header) and rejects forgeries.
 
+The other way round, as an API that *receives* retries (POST /charges, with a client's Idempotency-Key header, the
+way Stripe's API takes them): dedup.claim() records the key with the request's fingerprint, the charge and
+dedup.complete() with the HTTP response commit together, and a retry gets the stored response back, byte for byte:
+  - 201 and the response for a new key; the same status and body again for a retry (header Idempotent-Replayed);
+  - 409 while another request with the key is being processed (claim(..., wait => false) answers at once);
+  - 422 when the key comes back with another body (SQLSTATE PD001: a key is for one request only).
+
     DATABASE_URL="host=/var/run/postgresql dbname=shop" python3 webhook.py --port 8000
     curl -X POST localhost:8000/webhook -d '{"id": "evt_1", "type": "payment.succeeded",
                                             "data": {"account": 3, "amount": 120}}'
+    curl -X POST localhost:8000/charges -H 'Idempotency-Key: k1' -d '{"account": 3, "amount": 120}'
 """
 
 import argparse
@@ -22,8 +30,10 @@ import os
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import psycopg
+from psycopg.types.json import Jsonb
 
 INBOX = "webhooks"
+KEYS = "idempotency_keys"
 # An empty conninfo means libpq's defaults and PG* environment variables.
 DATABASE_URL = os.environ.get("DATABASE_URL", "")
 ID_HEADERS = ("webhook-id", "X-GitHub-Delivery")
@@ -58,8 +68,39 @@ def apply(conn, key, event):
     return True
 
 
+def charge(conn, key, request):
+    """One charge per idempotency key. Returns (status, body text, replayed): the body is stored as the text sent,
+    so a replay is the same bytes."""
+    try:
+        account, amount = int(request["account"]), int(request["amount"])
+    except (KeyError, TypeError, ValueError):
+        raise BadRequest("a charge needs account and amount") from None
+    with conn.transaction():
+        state, stored = conn.execute(
+            "SELECT state, result FROM dedup.claim(%s, dedup.fingerprint(%s), NULL, %s, wait => false)",
+            (key, Jsonb(request), KEYS),
+        ).fetchone()
+        if state == "completed":
+            return stored["status"], stored["body"], True
+        if state == "in_progress":
+            return 409, json.dumps({"error": "a request with this Idempotency-Key is being processed"}), False
+        balance = conn.execute(
+            "UPDATE accounts SET balance = balance + %s WHERE id = %s RETURNING balance", (amount, account)
+        ).fetchone()
+        if balance is None:
+            # An answer too: stored, so a retry gets the same 404 (and the rollback-free path keeps it simple).
+            response = {"status": 404, "body": json.dumps({"error": f"no account {account}"})}
+        else:
+            body = {"account": account, "charged": amount, "balance": balance[0]}
+            response = {"status": 201, "body": json.dumps(body)}
+        conn.execute("SELECT dedup.complete(%s, %s, %s)", (key, Jsonb(response), KEYS))
+    return response["status"], response["body"], False
+
+
 class Handler(BaseHTTPRequestHandler):
     def do_POST(self):
+        if self.path == "/charges":
+            return self.charges()
         if self.path != "/webhook":
             return self.reply(404, "not found")
         try:
@@ -86,10 +127,42 @@ class Handler(BaseHTTPRequestHandler):
                 self.log_error("database error: %s", e)
                 self.reply(500, "database error")  # rolled back, mark included: the provider's retry redoes it
 
+    def charges(self):
+        key = self.headers.get("Idempotency-Key")
+        if not key:
+            return self.send(400, {"error": "an Idempotency-Key header is required"})
+        try:
+            request = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+            if not isinstance(request, dict):
+                raise BadRequest("the payload is not a JSON object")
+            with psycopg.connect(DATABASE_URL, autocommit=True) as conn:
+                status, body, replayed = charge(conn, key, request)
+            self.send_text(status, body, {"Idempotent-Replayed": "true"} if replayed else {})
+        except (ValueError, BadRequest) as e:
+            self.send(400, {"error": str(e)})
+        except psycopg.Error as e:
+            if e.sqlstate == "PD001":  # the key was used for another request: never answer with that one's result
+                self.send(422, {"error": "this Idempotency-Key was used with another request"})
+            elif (e.diag.message_primary or "").startswith("dedup:"):
+                self.send(400, {"error": e.diag.message_primary})
+            elif isinstance(e, psycopg.OperationalError):
+                self.send(503, {"error": "database unavailable"})
+            else:
+                self.log_error("database error: %s", e)
+                self.send(500, {"error": "database error"})  # rolled back, claim included: a retry redoes it
+
     def reply(self, status, text):
-        body = json.dumps({"status": text}).encode()
+        self.send(status, {"status": text})
+
+    def send(self, status, payload):
+        self.send_text(status, json.dumps(payload))
+
+    def send_text(self, status, text, headers=None):
+        body = text.encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)

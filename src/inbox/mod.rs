@@ -76,6 +76,16 @@ pub struct Inbox {
     shape: OnceCell<Shape>,
 }
 
+/// The columns of `dedup.inbox_row`, in order: a mark fills the first two, a claim (`idempotency`) the rest.
+const COLUMNS: [(&str, pg_sys::Oid); 6] = [
+    ("id", pg_sys::TEXTOID),
+    ("expires_at", pg_sys::TIMESTAMPTZOID),
+    ("fingerprint", pg_sys::TEXTOID),
+    ("result", pg_sys::JSONBOID),
+    ("lease_until", pg_sys::TIMESTAMPTZOID),
+    ("completed", pg_sys::BOOLOID),
+];
+
 /// What the relcache says about an inbox table that decides how it may be written and whether the filter may
 /// answer for it. Read once per backend and inbox, after the table is locked; any DDL on the table invalidates the
 /// cache entry (and this with it).
@@ -106,9 +116,8 @@ impl Shape {
             && form.reloftype != pg_sys::InvalidOid
             && !form.relispartition
             && !form.relrowsecurity
-            && desc.len() == 2
-            && column_is(0, "id", pg_sys::TEXTOID)
-            && column_is(1, "expires_at", pg_sys::TIMESTAMPTZOID)
+            && desc.len() == COLUMNS.len()
+            && COLUMNS.iter().enumerate().all(|(i, (name, type_oid))| column_is(i, name, *type_oid))
             // No CHECK constraints, defaults or generated columns (none can be added to a typed table's own
             // columns but CHECK; the rest is belt and braces).
             && (constr.is_null()

@@ -25,7 +25,8 @@ statements! {
     /// The same for one id ($1 text). A plan of its own because the plan cache never settles on a generic plan for
     /// `= ANY ($1)`, and re-planning every duplicate's lookup cost more than the lookup.
     ProbeOne,
-    /// $1 ids, $2 new expires_at, $3 now → the ids whose expired row this call renewed.
+    /// $1 ids, $2 new expires_at, $3 now → the ids whose expired row this call renewed (as a plain mark: what a
+    /// claim had stored goes).
     Renew,
     /// $1 id, $2 now → a row if a live mark is visible.
     Seen,
@@ -38,6 +39,17 @@ statements! {
     PurgeBatchUnlocked,
     /// $1 now, $2 cap → how many expired rows wait, counted up to the cap.
     Backlog,
+    /// $1 id → (expires_at, fingerprint, result, lease_until, completed, xmin) of its row visible now.
+    ClaimProbe,
+    /// $1 id, $2 expires_at, $3 fingerprint, $4 lease_until → a row if a claim in progress was inserted.
+    ClaimInsert,
+    /// $1 id, $2 expires_at, $3 fingerprint, $4 lease_until, $5 now → a row if the id's row, expired or a claim
+    /// whose lease has passed, was taken over as a claim in progress.
+    ClaimTakeOver,
+    /// $1 id, $2 result, $3 now → a row if the id's live claim in progress was completed with `result`.
+    Complete,
+    /// $1 id → a row if the id's claim in progress was deleted.
+    Release,
 }
 
 impl Stmt {
@@ -57,7 +69,8 @@ impl Stmt {
             Stmt::Probe => format!("SELECT id, expires_at FROM {table} WHERE id OPERATOR(pg_catalog.=) ANY ($1)"),
             Stmt::ProbeOne => format!("SELECT id, expires_at FROM {table} WHERE id OPERATOR(pg_catalog.=) $1"),
             Stmt::Renew => format!(
-                "UPDATE {table} SET expires_at = $2 WHERE id OPERATOR(pg_catalog.=) ANY ($1) \
+                "UPDATE {table} SET expires_at = $2, fingerprint = NULL, result = NULL, lease_until = NULL, \
+                 completed = NULL WHERE id OPERATOR(pg_catalog.=) ANY ($1) \
                  AND expires_at OPERATOR(pg_catalog.<=) $3 RETURNING id"
             ),
             Stmt::Seen => format!(
@@ -74,6 +87,25 @@ impl Stmt {
                 "DELETE FROM {table} WHERE ctid OPERATOR(pg_catalog.=) ANY (ARRAY(SELECT ctid FROM {table} \
                  WHERE expires_at OPERATOR(pg_catalog.<=) $1 LIMIT $2))"
             ),
+            Stmt::ClaimProbe => format!(
+                "SELECT expires_at, fingerprint, result, lease_until, completed, xmin::text FROM {table} \
+                 WHERE id OPERATOR(pg_catalog.=) $1"
+            ),
+            Stmt::ClaimInsert => format!(
+                "INSERT INTO {table} (id, expires_at, fingerprint, lease_until, completed) \
+                 VALUES ($1, $2, $3, $4, false) ON CONFLICT (id) DO NOTHING RETURNING true"
+            ),
+            Stmt::ClaimTakeOver => format!(
+                "UPDATE {table} SET expires_at = $2, fingerprint = $3, result = NULL, lease_until = $4, \
+                 completed = false WHERE id OPERATOR(pg_catalog.=) $1 AND (expires_at OPERATOR(pg_catalog.<=) $5 \
+                 OR (NOT completed AND lease_until OPERATOR(pg_catalog.<=) $5)) RETURNING true"
+            ),
+            Stmt::Complete => format!(
+                "UPDATE {table} SET result = $2, lease_until = NULL, completed = true \
+                 WHERE id OPERATOR(pg_catalog.=) $1 AND NOT completed AND expires_at OPERATOR(pg_catalog.>) $3 \
+                 RETURNING true"
+            ),
+            Stmt::Release => format!("DELETE FROM {table} WHERE id OPERATOR(pg_catalog.=) $1 AND NOT completed RETURNING true"),
             Stmt::Backlog => format!(
                 "SELECT pg_catalog.count(*) FROM (SELECT 1 FROM {table} \
                  WHERE expires_at OPERATOR(pg_catalog.<=) $1 LIMIT $2) s"
@@ -91,6 +123,10 @@ impl Stmt {
             Stmt::Renew => vec![TEXTARRAYOID, TIMESTAMPTZOID, TIMESTAMPTZOID],
             Stmt::Seen | Stmt::Forget => vec![TEXTOID, TIMESTAMPTZOID],
             Stmt::PurgeBatch | Stmt::PurgeBatchUnlocked | Stmt::Backlog => vec![TIMESTAMPTZOID, INT8OID],
+            Stmt::ClaimProbe | Stmt::Release => vec![TEXTOID],
+            Stmt::ClaimInsert => vec![TEXTOID, TIMESTAMPTZOID, TEXTOID, TIMESTAMPTZOID],
+            Stmt::ClaimTakeOver => vec![TEXTOID, TIMESTAMPTZOID, TEXTOID, TIMESTAMPTZOID, TIMESTAMPTZOID],
+            Stmt::Complete => vec![TEXTOID, JSONBOID, TIMESTAMPTZOID],
         };
         oids.into_iter().map(PgOid::BuiltIn).collect()
     }

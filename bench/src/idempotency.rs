@@ -1,0 +1,132 @@
+//! Idempotency keys (issue 14): `claim()` + `complete()` with a 1 kB result against what teams write by hand (an
+//! `idempotency_keys` table: INSERT ... ON CONFLICT DO NOTHING, SELECT ... FOR UPDATE, UPDATE of the response), for
+//! new keys and for replays, at 1 and 8 clients, sync off, one request per transaction. And what the claim columns
+//! cost a plain mark: bytes and WAL per mark of an inbox (six columns, four NULL) against a table of pg_dedup
+//! 0.2.0's two-column row, filled by the same statement.
+
+use crate::clients::settle;
+use crate::compare::{compare, Side};
+use crate::pgbench::{Commit, Pgbench};
+use crate::{Goal, Row, Scale};
+use pg_dedup_harness::postgres::Client;
+
+/// The result both sides store: a 1 kB JSON response.
+const RESULT: &str = "jsonb_build_object('status', 201, 'body', repeat('x', 1000))";
+/// Keys already completed on both sides, which the replay scripts draw from.
+const COMPLETED_KEYS: i64 = 100_000;
+
+pub fn scenarios(c: &mut Client, pgbench: &Pgbench, scale: &Scale) -> Vec<Row> {
+    c.batch_execute(&format!(
+        "SELECT dedup.create_inbox('keys', '1 day');
+         CREATE TABLE idempotency_keys (key text COLLATE \"C\" PRIMARY KEY, request_params text, response jsonb,
+                                        locked_at timestamptz);
+         INSERT INTO dedup.inbox_keys (id, expires_at, fingerprint, result, completed)
+           SELECT 'rep-' || g, now() + interval '1 day', 'fp-' || g, {RESULT}, true
+             FROM generate_series(1, {COMPLETED_KEYS}) g;
+         INSERT INTO idempotency_keys SELECT 'rep-' || g, 'fp-' || g, {RESULT}, NULL
+             FROM generate_series(1, {COMPLETED_KEYS}) g;"
+    ))
+    .unwrap();
+    settle(c, &["dedup.inbox_keys", "idempotency_keys"]);
+    let new_key = "\\set r random(1, 1000000000000000)\n";
+    let ours_new = pgbench.script(
+        "claim_new",
+        &format!(
+            "{new_key}BEGIN;\nSELECT state FROM dedup.claim('new-' || :r, 'fp-' || :r, NULL, 'keys');\n\
+             SELECT dedup.complete('new-' || :r, {RESULT}, 'keys');\nCOMMIT;\n"
+        ),
+    );
+    let hand_new = pgbench.script(
+        "hand_new",
+        &format!(
+            "{new_key}BEGIN;\nINSERT INTO idempotency_keys (key, request_params, locked_at) \
+             VALUES ('new-' || :r, 'fp-' || :r, now()) ON CONFLICT DO NOTHING;\n\
+             SELECT request_params, response FROM idempotency_keys WHERE key = 'new-' || :r FOR UPDATE;\n\
+             UPDATE idempotency_keys SET response = {RESULT}, locked_at = NULL WHERE key = 'new-' || :r;\nCOMMIT;\n"
+        ),
+    );
+    let replay_key = format!("\\set p random(1, {COMPLETED_KEYS})\n");
+    let ours_replay = pgbench.script(
+        "claim_replay",
+        &format!("{replay_key}SELECT state, result FROM dedup.claim('rep-' || :p, 'fp-' || :p, NULL, 'keys');\n"),
+    );
+    let hand_replay = pgbench.script(
+        "hand_replay",
+        &format!(
+            "{replay_key}BEGIN;\nINSERT INTO idempotency_keys (key, request_params, locked_at) \
+             VALUES ('rep-' || :p, 'fp-' || :p, now()) ON CONFLICT DO NOTHING;\n\
+             SELECT request_params, response FROM idempotency_keys WHERE key = 'rep-' || :p FOR UPDATE;\nCOMMIT;\n"
+        ),
+    );
+    let mut rows = Vec::new();
+    for clients in [1, 8] {
+        let setting = crate::compare::Setting { clients, commit: Commit::Async, secs: scale.run_secs, rounds: scale.rounds };
+        let sides = [
+            Side::Sql { script: ours_new.clone(), ids: 1 },
+            Side::Sql { script: hand_new.clone(), ids: 1 },
+            Side::Sql { script: ours_replay.clone(), ids: 1 },
+            Side::Sql { script: hand_replay.clone(), ids: 1 },
+        ];
+        let m = compare(c, pgbench, &setting, &sides);
+        let at = setting.label();
+        rows.push(
+            crate::clients::row(
+                format!("claim() + complete(), new key, 1 kB result, {at}"),
+                ("claim + complete", &m[0]),
+                ("hand-written", &m[1]),
+                "tx/s",
+            )
+            .goal(Goal::AtLeast(1.3)),
+        );
+        rows.push(
+            crate::clients::row(
+                format!("claim() replaying a completed key, {at}"),
+                ("claim", &m[2]),
+                ("hand-written", &m[3]),
+                "tx/s",
+            )
+            .goal(Goal::AtLeast(1.3)),
+        );
+        if clients == 1 {
+            // A replay writes nothing (the hand-written one locks the row, which writes WAL).
+            let (a, b) = (m[2].wal_per_id.unwrap(), m[3].wal_per_id.unwrap());
+            rows.push(Row::new("WAL per replay", ("claim", a), ("hand-written", b), "B/id").goal(Goal::AtMost(0.01)));
+        }
+    }
+    rows.extend(mark_size(c));
+    rows
+}
+
+/// Bytes on disk and WAL per mark: the inbox row (six columns, the four claim columns NULL) against pg_dedup
+/// 0.2.0's two-column row, each table with the same two indexes, filled by the same INSERT.
+fn mark_size(c: &mut Client) -> Vec<Row> {
+    const MARKS: i64 = 200_000;
+    c.batch_execute(
+        "SELECT dedup.create_inbox('six_columns');
+         CREATE TABLE two_columns (id text COLLATE \"C\" PRIMARY KEY, expires_at timestamptz NOT NULL);
+         CREATE INDEX ON two_columns (expires_at);",
+    )
+    .unwrap();
+    let mut measure = |table: &str| -> (f64, f64) {
+        let before: String = c.query_one("SELECT pg_current_wal_insert_lsn()::text", &[]).unwrap().get(0);
+        c.batch_execute(&format!(
+            "INSERT INTO {table} (id, expires_at) SELECT md5(g::text), now() + interval '1 day' \
+             FROM generate_series(1, {MARKS}) g"
+        ))
+        .unwrap();
+        let wal: f64 = c
+            .query_one("SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), $1::text::pg_lsn)::float8", &[&before])
+            .unwrap()
+            .get(0);
+        let bytes: i64 = c.query_one(&format!("SELECT pg_total_relation_size('{table}')"), &[]).unwrap().get(0);
+        (bytes as f64 / MARKS as f64, wal / MARKS as f64)
+    };
+    let (new_bytes, new_wal) = measure("dedup.inbox_six_columns");
+    let (old_bytes, old_wal) = measure("two_columns");
+    vec![
+        Row::new("bytes per mark: inbox row vs 0.2.0's row", ("6 columns", new_bytes), ("2 columns", old_bytes), "B/id")
+            .goal(Goal::AtMost(1.0)),
+        Row::new("WAL per mark: inbox row vs 0.2.0's row", ("6 columns", new_wal), ("2 columns", old_wal), "B/id")
+            .goal(Goal::AtMost(1.0)),
+    ]
+}

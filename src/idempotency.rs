@@ -1,0 +1,441 @@
+//! Idempotency keys (docs/idempotency-keys.md): `claim()`, `complete()`, `release()` and `fingerprint()`.
+//!
+//! A claim is a row of the inbox like a mark, written in the caller's transaction, with three more things: the
+//! request's fingerprint, the result `complete()` stores, and for work outside the database a lease (the key stays
+//! in progress until `lease_until`, across the caller's commits). `completed` tells a claim still in progress
+//! (false) from a completed one (true) and from a plain mark (NULL). What another claim of the key sees:
+//! - no live row: the key is free (`new`); a row being inserted by another transaction is waited for (`wait`), or
+//!   answered `in_progress` at once (`wait => false`);
+//! - a committed row of a claim still in progress with a live lease: `in_progress`; with a lease that has passed:
+//!   taken over, `new`;
+//! - any other committed row (a mark, a completed claim, a claim whose transaction committed without a lease):
+//!   `completed`, with the stored result.
+//! A key reused with another fingerprint is refused with SQLSTATE PD001, whatever the state.
+
+use crate::clock::{expiry, statement_now};
+use crate::direct_insert::{self, Row};
+use crate::errors::{raise, raise_with_sqlstate, sqlstate};
+use crate::inbox::{self, Access, Inbox, Stmt};
+use crate::jsonb::Jsonb;
+use crate::shmem::Counter;
+use crate::{claim, guc, input, xact};
+use pgrx::prelude::*;
+
+/// Largest result `complete()` stores: jsonb, its size decompressed.
+pub const MAX_RESULT_BYTES: usize = 8 * 1024 * 1024;
+
+/// How a claim was answered.
+enum Answer {
+    New,
+    Completed(Option<Jsonb>),
+    InProgress,
+}
+
+/// The row of a key, as this transaction sees it now.
+struct Found {
+    expires_at: TimestampWithTimeZone,
+    fingerprint: Option<String>,
+    result: Option<Jsonb>,
+    lease_until: Option<TimestampWithTimeZone>,
+    completed: Option<bool>,
+    /// Written by this transaction (or one of its subtransactions): its claim, not committed yet.
+    mine: bool,
+}
+
+fn probe(inbox: &Inbox, id: &str) -> Option<Found> {
+    Spi::connect(|client| {
+        let rows = inbox.run(client, Stmt::ClaimProbe, &[id.into()]);
+        let row = rows.into_iter().next()?;
+        let xmin: u32 = row.get::<String>(6).ok().flatten().and_then(|x| x.parse().ok()).unwrap_or(0);
+        // SAFETY: a transaction id read from the row; the check only compares it with ours.
+        let mine = unsafe { pg_sys::TransactionIdIsCurrentTransactionId(pg_sys::TransactionId::from(xmin)) };
+        // SAFETY: inside the SPI connection, a jsonb column.
+        let result = row.get::<Jsonb>(3).ok().flatten().map(|r| unsafe { Jsonb::from_spi(r.datum()) });
+        Some(Found {
+            expires_at: row.get(1).ok().flatten().expect("expires_at is NOT NULL"),
+            fingerprint: row.get(2).ok().flatten(),
+            result,
+            lease_until: row.get(4).ok().flatten(),
+            completed: row.get(5).ok().flatten(),
+            mine,
+        })
+    })
+}
+
+/// Runs `stmt`; true if it returned a row.
+fn wrote(inbox: &Inbox, stmt: Stmt, args: &[pgrx::datum::DatumWithOid<'_>]) -> bool {
+    Spi::connect(|client| !inbox.run(client, stmt, args).is_empty())
+}
+
+/// Runs `stmt` without waiting for a row or key another transaction holds: None if it would have had to wait.
+fn wrote_at_once(inbox: &Inbox, stmt: Stmt, args: &[pgrx::datum::DatumWithOid<'_>]) -> Option<bool> {
+    xact::undo_on(PgSqlErrorCode::ERRCODE_LOCK_NOT_AVAILABLE, || {
+        guc::with_setting(c"lock_timeout", c"1ms", || wrote(inbox, stmt, args))
+    })
+}
+
+/// The first characters of a fingerprint, for an error's DETAIL.
+fn prefix(fingerprint: &str) -> String {
+    fingerprint.chars().take(12).collect()
+}
+
+/// A key claimed before with another fingerprint must never be answered with that request's result.
+fn check_fingerprint(inbox: &Inbox, id: &str, found: &Found, given: Option<&str>) {
+    if let (Some(stored), Some(given)) = (&found.fingerprint, given) {
+        if stored != given {
+            inbox.count(Counter::FingerprintMismatches, 1);
+            raise_with_sqlstate(
+                sqlstate::FINGERPRINT_MISMATCH,
+                format!("key \"{id}\" of inbox \"{}\" was claimed for another request", inbox.name),
+                format!("Stored fingerprint {}..., this request's {}...", prefix(stored), prefix(given)),
+                "An idempotency key must not be reused for a different request: send a new key (or, if the old \
+                 request is abandoned, dedup.forget() its key first).",
+            )
+        }
+    }
+}
+
+/// Claims key `id` for `row` (its window, fingerprint and lease): the algorithm in the module comment.
+fn claim_key(inbox: &Inbox, id: &str, row: &Row, now: TimestampWithTimeZone, wait: bool) -> Answer {
+    let args = |now: Option<TimestampWithTimeZone>| {
+        let mut args = vec![id.into(), row.expires_at.into(), row.fingerprint.into(), row.lease_until.into()];
+        args.extend(now.map(Into::into));
+        args
+    };
+    // A key the filter vouches for goes straight in (a speculative insertion, which never waits either).
+    if claim::certainly_new(inbox, id) && direct_insert::insert(inbox, &[id.to_owned()], row).len() == 1 {
+        return Answer::New;
+    }
+    // Set once an insert that may not wait met a key another transaction is inserting.
+    let mut held = false;
+    for _ in 0..claim::MAX_ROUNDS {
+        let Some(found) = probe(inbox, id) else {
+            if held {
+                return Answer::InProgress;
+            }
+            let inserted = if wait {
+                wrote(inbox, Stmt::ClaimInsert, &args(None))
+            } else if inbox.shape().plain {
+                direct_insert::insert(inbox, &[id.to_owned()], row).len() == 1
+            } else {
+                wrote_at_once(inbox, Stmt::ClaimInsert, &args(None)).unwrap_or(false)
+            };
+            if inserted {
+                return Answer::New;
+            }
+            held = !wait;
+            continue;
+        };
+        let live = found.expires_at > now;
+        if live {
+            check_fingerprint(inbox, id, &found, row.fingerprint);
+            match (found.completed, found.lease_until) {
+                (Some(false), _) if found.mine => return Answer::InProgress,
+                (Some(false), Some(until)) if until > now => return Answer::InProgress,
+                (Some(false), Some(_)) => {}
+                _ => return Answer::Completed(found.result),
+            }
+        }
+        // An expired row, or a claim whose lease passed without complete(): this claim takes the key over.
+        let taken = if wait {
+            Some(wrote(inbox, Stmt::ClaimTakeOver, &args(Some(now))))
+        } else {
+            wrote_at_once(inbox, Stmt::ClaimTakeOver, &args(Some(now)))
+        };
+        match taken {
+            Some(true) => {
+                inbox.count(if live { Counter::LeaseTakeovers } else { Counter::Renewals }, 1);
+                return Answer::New;
+            }
+            None => return Answer::InProgress,
+            Some(false) => {} // someone else changed the row meanwhile: look again
+        }
+    }
+    raise(
+        PgSqlErrorCode::ERRCODE_T_R_SERIALIZATION_FAILURE,
+        format!("could not claim key \"{id}\" in inbox \"{}\" after {} rounds", inbox.name, claim::MAX_ROUNDS),
+        "Another session kept deleting and re-creating the same key; retry the transaction.",
+    )
+}
+
+/// Claims idempotency key `id`: one row, `state` 'new' (the caller now holds the key), 'completed' (with the
+/// stored result) or 'in_progress' (someone else holds it; only with `wait => false` or a live lease).
+#[pg_extern(volatile, parallel_unsafe)]
+fn claim(
+    id: Option<&str>,
+    fingerprint: default!(Option<&str>, "NULL"),
+    ttl: default!(Option<Interval>, "NULL"),
+    inbox: default!(Option<&str>, "'default'"),
+    wait: default!(Option<bool>, "true"),
+    lease: default!(Option<Interval>, "NULL"),
+) -> TableIterator<'static, (name!(state, String), name!(result, Option<Jsonb>))> {
+    input::require_writable("claim");
+    let id = input::id(id);
+    let fingerprint = input::fingerprint(fingerprint);
+    let ttl = ttl.map(input::ttl);
+    let wait = input::flag("wait", wait);
+    let lease = lease.map(input::lease);
+    let inbox = inbox::open(input::inbox_name(inbox), Access::Mark);
+    let now = statement_now();
+    let expires_at = expiry(now, ttl.unwrap_or(inbox.default_ttl));
+    let lease_until = lease.map(|lease| expiry(now, lease));
+    if lease_until.is_some_and(|until| until > expires_at) {
+        raise(
+            PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE,
+            "lease must not outlast the key's window (ttl)",
+            "Pass a lease shorter than the ttl (the inbox's default ttl when NULL).",
+        )
+    }
+    let row = Row { expires_at, fingerprint, lease_until, completed: Some(false) };
+    let (state, result, counter) = match claim_key(&inbox, id, &row, now, wait) {
+        Answer::New => ("new", None, Counter::ClaimsNew),
+        Answer::Completed(result) => ("completed", result, Counter::ClaimsCompleted),
+        Answer::InProgress => ("in_progress", None, Counter::ClaimsInProgress),
+    };
+    inbox.count(counter, 1);
+    TableIterator::once((state.to_owned(), result))
+}
+
+/// Stores `result` for key `id`, claimed and still in progress: in the transaction that claimed it, or (a lease)
+/// while its lease lasts. The key is then completed: later claims get 'completed' with this result.
+#[pg_extern(volatile, parallel_unsafe)]
+fn complete(id: Option<&str>, result: default!(Option<Jsonb>, "NULL"), inbox: default!(Option<&str>, "'default'")) {
+    input::require_writable("complete");
+    let id = input::id(id);
+    if let Some(size) = result.map(|r| r.size()).filter(|size| *size > MAX_RESULT_BYTES) {
+        raise(
+            PgSqlErrorCode::ERRCODE_PROGRAM_LIMIT_EXCEEDED,
+            format!("result is {size} bytes; the limit is {MAX_RESULT_BYTES} bytes"),
+            "Store a smaller result (a reference to where the full response is kept, say).",
+        )
+    }
+    let inbox = inbox::open(input::inbox_name(inbox), Access::Mark);
+    let now = statement_now();
+    let name = &inbox.name;
+    let not_in_progress = |why: String, hint: &str| -> ! {
+        raise(PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE, format!("key \"{id}\" of inbox \"{name}\" {why}"), hint)
+    };
+    let Some(found) = probe(&inbox, id) else {
+        not_in_progress("is not claimed".into(), "Claim it with dedup.claim() first, in this transaction or with a lease.")
+    };
+    let holds = found.completed == Some(false)
+        && (found.mine || found.lease_until.is_some_and(|until| until > now));
+    if found.expires_at <= now {
+        not_in_progress("expired".into(), "Its window (ttl) ended before complete(); claim it again.")
+    } else if found.completed.is_none() {
+        not_in_progress("was marked, not claimed".into(), "Use dedup.claim() for keys whose result you store.")
+    } else if !holds && found.lease_until.is_some() && found.completed == Some(false) {
+        not_in_progress(
+            "has a lease that passed: another claim may take it over".into(),
+            "Claim it again (with a new lease) before completing, or lease for longer.",
+        )
+    } else if !holds
+        || !wrote(&inbox, Stmt::Complete, &[id.into(), result.into(), now.into()])
+    {
+        not_in_progress("is already completed".into(), "A completed key keeps its first result; claim() returns it.")
+    }
+}
+
+/// Gives up the claim in progress of key `id` (its work failed and may be retried): true if it was removed. A
+/// completed key is never removed (`forget()` does that).
+#[pg_extern(volatile, parallel_unsafe)]
+fn release(id: Option<&str>, inbox: default!(Option<&str>, "'default'")) -> bool {
+    input::require_writable("release");
+    let id = input::id(id);
+    let inbox = inbox::open(input::inbox_name(inbox), Access::Delete);
+    match probe(&inbox, id) {
+        Some(found) if found.completed == Some(false) && (found.mine || found.lease_until.is_some()) => {
+            wrote(&inbox, Stmt::Release, &[id.into()])
+        }
+        _ => false,
+    }
+}
+
+/// Lower-case hex SHA-256 of `bytes`.
+fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn payload_required<T>(payload: Option<T>) -> T {
+    payload.unwrap_or_else(|| {
+        raise(
+            PgSqlErrorCode::ERRCODE_NULL_VALUE_NOT_ALLOWED,
+            "payload must not be NULL",
+            "Pass the request's payload (jsonb, text or bytea); pass NULL as claim()'s fingerprint not to check.",
+        )
+    })
+}
+
+/// The fingerprint of a jsonb payload: SHA-256 of its canonical text, jsonb's own output (keys sorted, one space
+/// after ':' and ','), so key order and whitespace do not matter.
+#[pg_extern(immutable, parallel_safe, name = "fingerprint")]
+fn fingerprint_jsonb(payload: Option<Jsonb>) -> String {
+    let payload = payload_required(payload);
+    // SAFETY: jsonb_out of a jsonb datum returns a palloc'd C string.
+    let text = unsafe {
+        let cstring = pgrx::direct_function_call::<&std::ffi::CStr>(pg_sys::jsonb_out, &[Some(payload.datum())])
+            .expect("jsonb_out returns text");
+        cstring.to_bytes().to_vec()
+    };
+    sha256_hex(&text)
+}
+
+/// The fingerprint of a text payload: SHA-256 of its bytes (UTF-8).
+#[pg_extern(immutable, parallel_safe, name = "fingerprint")]
+fn fingerprint_text(payload: Option<&str>) -> String {
+    sha256_hex(payload_required(payload).as_bytes())
+}
+
+/// The fingerprint of a bytea payload: SHA-256 of its bytes.
+#[pg_extern(immutable, parallel_safe, name = "fingerprint")]
+fn fingerprint_bytea(payload: Option<&[u8]>) -> String {
+    sha256_hex(payload_required(payload))
+}
+
+#[cfg(any(test, feature = "pg_test"))]
+#[pg_schema]
+mod tests {
+    use crate::testing::*;
+    use pgrx::prelude::*;
+
+    fn claimed(sql: &str) -> String {
+        one::<String>(&format!("SELECT state || ' ' || coalesce(result::text, '-') FROM {sql}"))
+    }
+
+    #[pg_test]
+    fn idem_a_claim_is_new_then_in_progress_then_completed_in_its_transaction() {
+        assert_eq!(claimed("dedup.claim('c1', 'fp')"), "new -");
+        assert_eq!(claimed("dedup.claim('c1', 'fp')"), "in_progress -", "held by this very transaction");
+        run("SELECT dedup.complete('c1', '{\"b\": 2, \"a\": 1}')");
+        assert_eq!(claimed("dedup.claim('c1', 'fp')"), "completed {\"a\": 1, \"b\": 2}");
+        assert_eq!(
+            one::<String>("SELECT format('%s %s', fingerprint, completed) FROM dedup.inbox_default WHERE id = 'c1'"),
+            "fp true"
+        );
+    }
+
+    #[pg_test]
+    fn idem_claims_and_marks_are_the_same_keys() {
+        run("SELECT dedup.mark('m1')");
+        assert_eq!(claimed("dedup.claim('m1')"), "completed -", "a mark is a completed key without a result");
+        assert_eq!(claimed("dedup.claim('c2')"), "new -");
+        assert!(!one::<bool>("SELECT dedup.mark('c2')"), "a claimed key is a duplicate");
+        assert!(one::<bool>("SELECT dedup.seen('c2')"));
+        assert!(one::<bool>("SELECT dedup.forget('c2')"));
+        assert_eq!(claimed("dedup.claim('c2')"), "new -");
+    }
+
+    #[pg_test]
+    fn idem_an_expired_key_or_a_passed_lease_is_taken_over() {
+        run("SELECT dedup.create_inbox('idem_over')");
+        assert_eq!(claimed("dedup.claim('old', inbox => 'idem_over')"), "new -");
+        run("UPDATE dedup.inbox_idem_over SET expires_at = now() - interval '1 second' WHERE id = 'old'");
+        assert_eq!(claimed("dedup.claim('old', 'fp2', inbox => 'idem_over')"), "new -", "expired: new again");
+        assert_eq!(one::<String>("SELECT fingerprint FROM dedup.inbox_idem_over WHERE id = 'old'"), "fp2");
+        assert_eq!(claimed("dedup.claim('leased', inbox => 'idem_over', lease => '1 minute')"), "new -");
+        run("UPDATE dedup.inbox_idem_over SET lease_until = now() - interval '1 second' WHERE id = 'leased'");
+        assert_eq!(claimed("dedup.claim('leased', inbox => 'idem_over')"), "new -");
+        let stats = one::<String>(
+            "SELECT format('%s %s %s', claims_new, lease_takeovers, renewals) FROM dedup.stats WHERE inbox = 'idem_over'",
+        );
+        assert_eq!(stats, "4 1 1");
+    }
+
+    #[pg_test]
+    fn idem_a_lease_is_recorded_and_cleared_by_complete() {
+        assert_eq!(claimed("dedup.claim('l1', lease => '30 seconds')"), "new -");
+        assert!(one::<bool>(
+            "SELECT lease_until = statement_timestamp() + interval '30 seconds' FROM dedup.inbox_default WHERE id = 'l1'"
+        ));
+        run("SELECT dedup.complete('l1')");
+        assert_eq!(
+            one::<String>("SELECT format('%s %s', lease_until IS NULL, completed) FROM dedup.inbox_default WHERE id = 'l1'"),
+            "t t"
+        );
+        assert_eq!(claimed("dedup.claim('l1')"), "completed -");
+    }
+
+    #[pg_test]
+    fn idem_a_mismatched_fingerprint_raises_pd001() {
+        assert_eq!(claimed("dedup.claim('fm', 'aaaaaaaaaaaaaaaaaaaaaaaa')"), "new -");
+        assert_eq!(claimed("dedup.claim('fm')"), "in_progress -", "no fingerprint: not checked");
+        // Caught by PL/pgSQL, after PostgreSQL finished the error: the SQLSTATE it carries to the client.
+        run("CREATE TEMP TABLE caught (state text, message text, detail text)");
+        run(
+            "DO $$ BEGIN PERFORM dedup.claim('fm', 'bbbbbbbbbbbbbbbbbbbbbbbb');
+             EXCEPTION WHEN OTHERS THEN INSERT INTO caught VALUES (SQLSTATE, SQLERRM, NULL);
+             END $$",
+        );
+        assert_eq!(
+            one::<String>("SELECT state || ' ' || message FROM caught"),
+            "PD001 dedup: key \"fm\" of inbox \"default\" was claimed for another request"
+        );
+        assert_eq!(one::<i64>("SELECT fingerprint_mismatches FROM dedup.stats WHERE inbox = 'default'") >= 1, true);
+    }
+
+    #[pg_test]
+    fn idem_another_error_keeps_its_own_sqlstate_after_a_mismatch() {
+        run("CREATE TEMP TABLE codes (code text)");
+        run(
+            "SELECT dedup.claim('fx', 'one');
+             DO $$ BEGIN PERFORM dedup.claim('fx', 'two'); EXCEPTION WHEN OTHERS THEN INSERT INTO codes VALUES (SQLSTATE); END $$;
+             DO $$ BEGIN PERFORM 1 / 0; EXCEPTION WHEN OTHERS THEN INSERT INTO codes VALUES (SQLSTATE); END $$;
+             DO $$ BEGIN RAISE EXCEPTION 'plain' USING ERRCODE = 'data_exception'; EXCEPTION WHEN OTHERS THEN INSERT INTO codes VALUES (SQLSTATE); END $$;",
+        );
+        assert_eq!(column("SELECT code FROM codes"), ["PD001", "22012", "22000"]);
+    }
+
+    #[pg_test]
+    fn idem_complete_and_release_refuse_what_the_caller_does_not_hold() {
+        use PgSqlErrorCode::*;
+        assert_dedup_error("SELECT dedup.complete('none')", ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE);
+        run("SELECT dedup.mark('mk')");
+        assert_dedup_error("SELECT dedup.complete('mk')", ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE);
+        assert!(!one::<bool>("SELECT dedup.release('mk')"), "a mark is never released");
+        run("SELECT dedup.claim('cc'); SELECT dedup.complete('cc', '1')");
+        assert_dedup_error("SELECT dedup.complete('cc', '2')", ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE);
+        assert!(!one::<bool>("SELECT dedup.release('cc')"), "a completed key is never released");
+        run("SELECT dedup.claim('rr')");
+        assert!(one::<bool>("SELECT dedup.release('rr')"));
+        assert_eq!(count("dedup.inbox_default WHERE id = 'rr'"), 0);
+        assert_eq!(claimed("dedup.claim('rr')"), "new -");
+        assert_dedup_error(
+            "SELECT dedup.complete('rr', jsonb_build_object('x', repeat('y', 9000000)))",
+            ERRCODE_PROGRAM_LIMIT_EXCEEDED,
+        );
+    }
+
+    #[pg_test]
+    fn idem_fingerprints_are_sha256_of_a_canonical_form() {
+        assert_eq!(
+            one::<String>("SELECT dedup.fingerprint('abc'::text)"),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+        assert_eq!(one::<String>("SELECT dedup.fingerprint('abc'::bytea)"), one::<String>("SELECT dedup.fingerprint('abc'::text)"));
+        assert_eq!(
+            one::<String>("SELECT dedup.fingerprint('{\"b\": [1, 2], \"a\": {\"y\": null, \"x\": true}}'::jsonb)"),
+            one::<String>("SELECT dedup.fingerprint('{\"a\":{\"x\":true,\"y\":null},   \"b\":[1,2]}'::jsonb)"),
+            "key order and whitespace do not matter"
+        );
+        assert_eq!(
+            one::<String>("SELECT dedup.fingerprint('{\"a\": 1}'::jsonb)"),
+            one::<String>("SELECT encode(sha256(convert_to('{\"a\": 1}', 'UTF8')), 'hex')"),
+            "the canonical form is jsonb's text"
+        );
+        assert_ne!(one::<String>("SELECT dedup.fingerprint('[1, 2]'::jsonb)"), one::<String>("SELECT dedup.fingerprint('[2, 1]'::jsonb)"));
+    }
+
+    #[pg_test]
+    fn idem_a_certainly_new_key_goes_straight_in() {
+        run("SELECT dedup.create_inbox('idem_direct')");
+        let calls = trigger_calls();
+        assert_eq!(claimed("dedup.claim('d1', 'fp', inbox => 'idem_direct', lease => '1 minute')"), "new -");
+        assert_eq!(trigger_calls(), calls, "the speculative insertion wrote the claim");
+        assert_eq!(
+            one::<String>("SELECT format('%s %s %s', fingerprint, completed, lease_until IS NOT NULL) FROM dedup.inbox_idem_direct"),
+            "fp false true"
+        );
+        assert!(one::<bool>("SELECT dedup.seen('d1', 'idem_direct')"));
+    }
+}
