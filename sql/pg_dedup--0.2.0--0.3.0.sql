@@ -108,7 +108,7 @@ BEGIN
     END LOOP;
 
     FOR t IN
-        SELECT c.oid, c.oid::pg_catalog.regclass::text AS tbl, c.relowner,
+        SELECT c.oid, pg_catalog.format('dedup.%I', c.relname) AS tbl, c.relowner,
                (c.relrowsecurity
                 OR EXISTS (SELECT 1 FROM pg_catalog.pg_trigger g
                             WHERE g.tgrelid OPERATOR(pg_catalog.=) c.oid AND NOT g.tgisinternal
