@@ -29,8 +29,6 @@ use pgrx::prelude::*;
 /// cluster consumes xids).
 const MIN_IDS: usize = 8;
 
-/// Inserts what it can of `ids` (sorted, distinct) with `expires_at` and returns the ids it inserted. Nothing was
-/// written for the others: the table needs the executor, or the id had a row after all.
 /// What goes into the row beside its id: the window, and for a claim (`idempotency`) its fingerprint, lease and
 /// completion state (a mark leaves them NULL).
 #[derive(Clone, Copy)]
@@ -76,6 +74,9 @@ impl Values {
     }
 }
 
+/// Inserts what it can of `ids` (sorted, distinct) with the values of `row` and returns the ids it inserted, a
+/// prefix of `ids`. Nothing was written for the others: the table needs the executor, or an id had a row after all
+/// (and the ids after it were left alone; see `insert_each`).
 pub fn insert(inbox: &Inbox, ids: &[String], row: &Row) -> Vec<String> {
     if !inbox.shape().plain {
         return Vec::new();
@@ -107,15 +108,22 @@ fn insert_all(rel: pg_sys::Relation, ns: u64, ids: &[String], values: &Values) -
         .is_some()
 }
 
-/// Each of `ids` on its own, by speculative insertion; returns those that went in.
+/// Each of `ids` (sorted) on its own, by speculative insertion, up to the first that has a row: returns those that
+/// went in, a prefix of `ids`. It stops there because the caller's ordinary path then waits for that id's
+/// concurrent claim: holding rows of greater ids meanwhile would break the sorted order in which every claim takes
+/// its ids, and two claims could deadlock (one waiting here for the other's smaller id, the other in its batch
+/// for one of ours).
 ///
 /// # Safety
 /// `rel` must be an inbox table opened with RowExclusiveLock whose shape is `plain`.
 unsafe fn insert_each(rel: pg_sys::Relation, ns: u64, ids: &[String], values: &Values) -> Vec<String> {
     with_indexes(rel, |estate, result_rel| {
         let slot = row_slots(rel, 1)[0];
-        let inserted =
-            ids.iter().filter(|id| insert_one(rel, ns, (estate, result_rel), slot, id, values)).cloned().collect();
+        let inserted = ids
+            .iter()
+            .take_while(|id| insert_one(rel, ns, (estate, result_rel), slot, id, values))
+            .cloned()
+            .collect();
         pg_sys::ExecDropSingleTupleTableSlot(slot);
         inserted
     })
@@ -264,10 +272,14 @@ mod tests {
         let row = super::Row::mark(one::<TimestampWithTimeZone>("SELECT now() + interval '1 hour'"));
         let batch = ids("b", 12);
         let inserted = super::insert(&inbox, &batch, &row);
-        assert_eq!(inserted.len(), 11, "the undone batch went in id by id, all but the one with a row");
-        assert!(!inserted.contains(&"b0005".to_owned()));
-        assert_eq!(count("dedup.inbox_di_conflict"), 12);
+        assert_eq!(inserted, &batch[..5], "the undone batch went in id by id, up to the one with a row");
+        assert_eq!(count("dedup.inbox_di_conflict"), 6, "nothing after it: the caller takes those in order");
         assert_eq!(count("dedup.inbox_di_conflict WHERE id = 'b0005'"), 1);
+        assert_eq!(
+            column("SELECT * FROM dedup.mark_many((SELECT array_agg('b' || lpad(g::text, 4, '0')) FROM generate_series(0, 11) g), NULL, 'di_conflict')").len(),
+            6,
+            "the rest goes in the ordinary way"
+        );
     }
 
     #[pg_test]

@@ -113,7 +113,11 @@ pub fn trust_new_inbox(ns: u64) {
 /// It is trusted again only once a load has read it with the trigger guarding.
 pub fn untrust(ns: u64) -> bool {
     let Some(e) = region().and_then(|h| h.entry(ns, false)) else { return false };
-    e.loaded.iter().fold(false, |was, loaded| loaded.swap(0, Ordering::AcqRel) != 0 || was)
+    let mut was = false;
+    for loaded in &e.loaded {
+        was |= loaded.swap(0, Ordering::AcqRel) != 0;
+    }
+    was
 }
 
 /// Inboxes of the current database that the active generation does not cover yet.

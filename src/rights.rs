@@ -6,6 +6,7 @@
 //! - `as_extension_owner`: `create_inbox()` and `drop_inbox()` write schema `dedup` and its registry, which only the
 //!   extension's owner may; they check their caller themselves, then act as that owner the way a SECURITY DEFINER
 //!   function with `SET search_path = pg_catalog, pg_temp` does.
+//!
 //! Inside both, `search_path` is `pg_catalog, pg_temp`; every statement is schema-qualified anyway.
 
 use crate::errors::{internal, raise};

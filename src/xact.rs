@@ -25,7 +25,7 @@ pub fn undo_on<R>(expected: PgSqlErrorCode, body: impl FnOnce() -> R) -> Option<
     match subtransaction(body) {
         Ok(result) => Some(result),
         Err(error) if code_of(&error) == expected => None,
-        Err(error) => error.rethrow(),
+        Err(error) => (*error).rethrow(),
     }
 }
 
@@ -44,7 +44,7 @@ pub fn report_of(error: &pg_sys::panic::CaughtError) -> &pg_sys::panic::ErrorRep
 
 /// Runs `body` in a subtransaction: kept if it returns, rolled back — undoing everything it did — if it raises an
 /// ERROR, which comes back as Err (the transaction goes on as it was before).
-pub fn subtransaction<R>(body: impl FnOnce() -> R) -> Result<R, pg_sys::panic::CaughtError> {
+pub fn subtransaction<R>(body: impl FnOnce() -> R) -> Result<R, Box<pg_sys::panic::CaughtError>> {
     // Whatever `body` touched in Postgres is undone by the rollback; Rust state it shares (the plan cache) stays
     // valid across an unwind.
     let body = std::panic::AssertUnwindSafe(body);
@@ -77,7 +77,7 @@ pub fn subtransaction<R>(body: impl FnOnce() -> R) -> Result<R, pg_sys::panic::C
         // SAFETY: as above.
         unsafe { pg_sys::RollbackAndReleaseCurrentSubTransaction() };
         restore();
-        Err(error)
+        Err(Box::new(error))
     })
     .execute()
 }

@@ -164,13 +164,13 @@ fn qualified_calls_reach_dedup_whatever_overloads_are_planted_on_the_search_path
     let v = Type::VARCHAR;
     let va = Type::VARCHAR_ARRAY;
     let inbox = "checked".to_owned();
-    let create = c.prepare_typed("SELECT dedup.create_inbox($1, '1 day')", &[v.clone()]).unwrap();
+    let create = c.prepare_typed("SELECT dedup.create_inbox($1, '1 day')", std::slice::from_ref(&v)).unwrap();
     c.execute(&create, &[&inbox]).unwrap();
     let mark = c.prepare_typed("SELECT dedup.mark($1, NULL, $2)", &[v.clone(), v.clone()]).unwrap();
     let id = "jdbc-1".to_owned();
     assert!(c.query_one(&mark, &[&id, &inbox]).unwrap().get::<_, bool>(0));
     assert!(!c.query_one(&mark, &[&id, &inbox]).unwrap().get::<_, bool>(0), "the second mark is a duplicate");
-    let mark_default = c.prepare_typed("SELECT dedup.mark($1)", &[v.clone()]).unwrap();
+    let mark_default = c.prepare_typed("SELECT dedup.mark($1)", std::slice::from_ref(&v)).unwrap();
     assert!(c.query_one(&mark_default, &[&id]).unwrap().get::<_, bool>(0));
     assert!(!c.query_one(&mark_default, &[&id]).unwrap().get::<_, bool>(0));
     let mark_many = c.prepare_typed("SELECT * FROM dedup.mark_many($1, NULL, $2)", &[va.clone(), v.clone()]).unwrap();
@@ -184,7 +184,7 @@ fn qualified_calls_reach_dedup_whatever_overloads_are_planted_on_the_search_path
     assert!(!c.query_one(&seen, &[&not_seen, &inbox]).unwrap().get::<_, bool>(0));
     let forget = c.prepare_typed("SELECT dedup.forget($1, $2)", &[v.clone(), v.clone()]).unwrap();
     assert!(c.query_one(&forget, &[&id, &inbox]).unwrap().get::<_, bool>(0));
-    let purge = c.prepare_typed("SELECT dedup.purge($1)", &[v.clone()]).unwrap();
+    let purge = c.prepare_typed("SELECT dedup.purge($1)", std::slice::from_ref(&v)).unwrap();
     assert_eq!(c.query_one(&purge, &[&inbox]).unwrap().get::<_, i64>(0), 0);
     let drop = c.prepare_typed("SELECT dedup.drop_inbox($1)", &[v]).unwrap();
     c.execute(&drop, &[&inbox]).unwrap();
