@@ -6,9 +6,14 @@
 SELECT dedup.create_inbox('default', interval '3 days');
 SELECT pg_catalog.pg_extension_config_dump('dedup.inbox_default', '');
 
+-- The columns of pg_dedup 0.2.0 first, then those added since (so an update can CREATE OR REPLACE the view).
 CREATE VIEW dedup.stats AS
-SELECT i.*, w.*, f.*
-  FROM dedup.inbox_stats() AS i
+SELECT i.inbox, i.marks, i.duplicates, i.renewals, i.purged, i.backlog, i.lookups, i.certainly_new,
+       i.false_positives, i.filter_trusted,
+       w.*, f.*,
+       i.filter_trigger, i.claims_new, i.claims_completed, i.claims_in_progress, i.fingerprint_mismatches,
+       i.lease_takeovers
+  FROM dedup.inbox_counters() AS i
  CROSS JOIN dedup.worker_stats() AS w
  CROSS JOIN dedup.filter_stats() AS f;
 

@@ -68,9 +68,10 @@ AS 'MODULE_PATHNAME', 'fingerprint_bytea_wrapper';
 REVOKE ALL ON FUNCTION dedup.claim(text, text, interval, text, boolean, interval), dedup.complete(text, jsonb, text),
     dedup.release(text, text), dedup.fingerprint(jsonb), dedup.fingerprint(text), dedup.fingerprint(bytea) FROM PUBLIC;
 
-DROP VIEW dedup.stats;
-DROP FUNCTION dedup.inbox_stats();
-CREATE FUNCTION dedup.inbox_stats() RETURNS TABLE (
+-- dedup.stats keeps its columns and gains new ones at the end, from a new function (the old one's row changed):
+-- CREATE OR REPLACE keeps the view, its grants and whatever depends on it (a monitoring wrapper returning SETOF
+-- dedup.stats). Whoever could execute the old function may execute the new one.
+CREATE FUNCTION dedup.inbox_counters() RETURNS TABLE (
 	"inbox" TEXT,
 	"marks" bigint,
 	"duplicates" bigint,
@@ -90,14 +91,33 @@ CREATE FUNCTION dedup.inbox_stats() RETURNS TABLE (
 )
 STRICT VOLATILE PARALLEL SAFE
 LANGUAGE c
-AS 'MODULE_PATHNAME', 'inbox_stats_wrapper';
-CREATE VIEW dedup.stats AS
-SELECT i.*, w.*, f.*
-  FROM dedup.inbox_stats() AS i
+AS 'MODULE_PATHNAME', 'inbox_counters_wrapper';
+REVOKE ALL ON FUNCTION dedup.inbox_counters() FROM PUBLIC;
+CREATE OR REPLACE VIEW dedup.stats AS
+SELECT i.inbox, i.marks, i.duplicates, i.renewals, i.purged, i.backlog, i.lookups, i.certainly_new,
+       i.false_positives, i.filter_trusted,
+       w.*, f.*,
+       i.filter_trigger, i.claims_new, i.claims_completed, i.claims_in_progress, i.fingerprint_mismatches,
+       i.lease_takeovers
+  FROM dedup.inbox_counters() AS i
  CROSS JOIN dedup.worker_stats() AS w
  CROSS JOIN dedup.filter_stats() AS f;
-REVOKE ALL ON FUNCTION dedup.inbox_stats() FROM PUBLIC;
-REVOKE ALL ON dedup.stats FROM PUBLIC;
+DO $grants$
+DECLARE
+    grantee text;
+BEGIN
+    FOR grantee IN
+        SELECT DISTINCT CASE WHEN a.grantee OPERATOR(pg_catalog.=) 0 THEN 'PUBLIC'
+                             ELSE a.grantee::pg_catalog.regrole::text END
+          FROM pg_catalog.pg_proc p, pg_catalog.aclexplode(p.proacl) a
+         WHERE p.oid OPERATOR(pg_catalog.=) 'dedup.inbox_stats()'::pg_catalog.regprocedure
+           AND a.grantee OPERATOR(pg_catalog.<>) p.proowner
+    LOOP
+        EXECUTE pg_catalog.format('GRANT EXECUTE ON FUNCTION dedup.inbox_counters() TO %s', grantee);
+    END LOOP;
+END
+$grants$;
+DROP FUNCTION dedup.inbox_stats();
 
 CREATE FUNCTION dedup.watch_ddl() RETURNS event_trigger LANGUAGE c
 AS 'MODULE_PATHNAME', 'watch_ddl_wrapper';

@@ -88,16 +88,16 @@ fn suspects<'a>(filter: &Trusted, inbox: &Inbox, ids: &[&'a str]) -> HashSet<&'a
     suspects
 }
 
-/// Does the filter vouch that `id` was never written to `inbox` (and so may go straight in)? False when no filter
-/// answers. Keeps the inbox's lookup counters.
-pub fn certainly_new(inbox: &Inbox, id: &str) -> bool {
-    let Some(filter) = trusted_filter(inbox) else { return false };
+/// What the filter says of `id`: Some(true) if it vouches that `id` was never written to `inbox` (so it may go
+/// straight in), Some(false) for "maybe", None when no filter answers. Keeps the inbox's lookup counters.
+pub fn filter_says_new(inbox: &Inbox, id: &str) -> Option<bool> {
+    let filter = trusted_filter(inbox)?;
     inbox.count(Counter::Lookups, 1);
     let certainly_new = !filter.may_contain(id);
     if certainly_new {
         inbox.count(Counter::CertainlyNew, 1);
     }
-    certainly_new
+    Some(certainly_new)
 }
 
 /// When a mark made now expires: `ttl` (already validated) or the inbox's default (validated when created).

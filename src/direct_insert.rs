@@ -67,10 +67,7 @@ impl Values {
             row.lease_until.and_then(|t| t.into_datum()),
             row.completed.and_then(|c| c.into_datum()),
         ];
-        Values {
-            datums: values.map(|v| v.unwrap_or(pg_sys::Datum::from(0))),
-            nulls: values.map(|v| v.is_none()),
-        }
+        Values { datums: values.map(|v| v.unwrap_or(pg_sys::Datum::from(0))), nulls: values.map(|v| v.is_none()) }
     }
 }
 
@@ -104,8 +101,7 @@ pub fn insert(inbox: &Inbox, ids: &[String], row: &Row) -> Vec<String> {
 /// All of `ids` in one multi-insert, or (when one of them has a row) none.
 fn insert_all(rel: pg_sys::Relation, ns: u64, ids: &[String], values: &Values) -> bool {
     // SAFETY: `rel` is the open, qualifying inbox table of `insert`.
-    xact::undo_on(PgSqlErrorCode::ERRCODE_UNIQUE_VIOLATION, || unsafe { write_rows(rel, ns, ids, values) })
-        .is_some()
+    xact::undo_on(PgSqlErrorCode::ERRCODE_UNIQUE_VIOLATION, || unsafe { write_rows(rel, ns, ids, values) }).is_some()
 }
 
 /// Each of `ids` (sorted) on its own, by speculative insertion, up to the first that has a row: returns those that
@@ -119,11 +115,8 @@ fn insert_all(rel: pg_sys::Relation, ns: u64, ids: &[String], values: &Values) -
 unsafe fn insert_each(rel: pg_sys::Relation, ns: u64, ids: &[String], values: &Values) -> Vec<String> {
     with_indexes(rel, |estate, result_rel| {
         let slot = row_slots(rel, 1)[0];
-        let inserted = ids
-            .iter()
-            .take_while(|id| insert_one(rel, ns, (estate, result_rel), slot, id, values))
-            .cloned()
-            .collect();
+        let inserted =
+            ids.iter().take_while(|id| insert_one(rel, ns, (estate, result_rel), slot, id, values)).cloned().collect();
         pg_sys::ExecDropSingleTupleTableSlot(slot);
         inserted
     })

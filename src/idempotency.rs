@@ -10,7 +10,7 @@
 //!   taken over, `new`;
 //! - any other committed row (a mark, a completed claim, a claim whose transaction committed without a lease):
 //!   `completed`, with the stored result.
-//! A key reused with another fingerprint is refused with SQLSTATE PD001, whatever the state.
+//! A live key reused with another fingerprint is refused with SQLSTATE PD001 (an expired one is simply taken over).
 
 use crate::clock::{expiry, statement_now};
 use crate::direct_insert::{self, Row};
@@ -103,9 +103,16 @@ fn claim_key(inbox: &Inbox, id: &str, row: &Row, now: TimestampWithTimeZone, wai
         args
     };
     // A key the filter vouches for goes straight in (a speculative insertion, which never waits either).
-    if claim::certainly_new(inbox, id) && direct_insert::insert(inbox, &[id.to_owned()], row).len() == 1 {
+    let says_new = claim::filter_says_new(inbox, id);
+    if says_new == Some(true) && direct_insert::insert(inbox, &[id.to_owned()], row).len() == 1 {
         return Answer::New;
     }
+    // The filter said "maybe" and the key turns out to have no row: a false positive.
+    let false_positive = || {
+        if says_new == Some(false) {
+            inbox.count(Counter::FalsePositives, 1);
+        }
+    };
     // Set once an insert that may not wait met a key another transaction is inserting.
     let mut held = false;
     for _ in 0..claim::MAX_ROUNDS {
@@ -121,6 +128,7 @@ fn claim_key(inbox: &Inbox, id: &str, row: &Row, now: TimestampWithTimeZone, wai
                 wrote_at_once(inbox, Stmt::ClaimInsert, &args(None)).unwrap_or(false)
             };
             if inserted {
+                false_positive();
                 return Answer::New;
             }
             held = !wait;
@@ -130,9 +138,9 @@ fn claim_key(inbox: &Inbox, id: &str, row: &Row, now: TimestampWithTimeZone, wai
         if live {
             check_fingerprint(inbox, id, &found, row.fingerprint);
             match (found.completed, found.lease_until) {
-                (Some(false), _) if found.mine => return Answer::InProgress,
                 (Some(false), Some(until)) if until > now => return Answer::InProgress,
-                (Some(false), Some(_)) => {}
+                (Some(false), Some(_)) => {} // the lease passed
+                (Some(false), None) if found.mine => return Answer::InProgress,
                 _ => return Answer::Completed(found.result),
             }
         }
@@ -213,13 +221,19 @@ fn complete(id: Option<&str>, result: default!(Option<Jsonb>, "NULL"), inbox: de
     let now = statement_now();
     let name = &inbox.name;
     let not_in_progress = |why: String, hint: &str| -> ! {
-        raise(PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE, format!("key \"{id}\" of inbox \"{name}\" {why}"), hint)
+        raise(
+            PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
+            format!("key \"{id}\" of inbox \"{name}\" {why}"),
+            hint,
+        )
     };
     let Some(found) = probe(&inbox, id) else {
-        not_in_progress("is not claimed".into(), "Claim it with dedup.claim() first, in this transaction or with a lease.")
+        not_in_progress(
+            "is not claimed".into(),
+            "Claim it with dedup.claim() first, in this transaction or with a lease.",
+        )
     };
-    let holds = found.completed == Some(false)
-        && (found.mine || found.lease_until.is_some_and(|until| until > now));
+    let holds = found.completed == Some(false) && (found.mine || found.lease_until.is_some_and(|until| until > now));
     if found.expires_at <= now {
         not_in_progress("expired".into(), "Its window (ttl) ended before complete(); claim it again.")
     } else if found.completed.is_none() {
@@ -229,10 +243,13 @@ fn complete(id: Option<&str>, result: default!(Option<Jsonb>, "NULL"), inbox: de
             "has a lease that passed: another claim may take it over".into(),
             "Claim it again (with a new lease) before completing, or lease for longer.",
         )
-    } else if !holds
-        || !wrote(&inbox, Stmt::Complete, &[id.into(), result.into(), now.into()])
-    {
+    } else if !holds {
         not_in_progress("is already completed".into(), "A completed key keeps its first result; claim() returns it.")
+    } else if !wrote(&inbox, Stmt::Complete, &[id.into(), result.into(), now.into()]) {
+        not_in_progress(
+            "is no longer in progress: it was completed, released or forgotten meanwhile".into(),
+            "Claim it again to see its state.",
+        )
     }
 }
 
@@ -311,7 +328,7 @@ mod tests {
         assert_eq!(claimed("dedup.claim('c1', 'fp')"), "completed {\"a\": 1, \"b\": 2}");
         assert_eq!(
             one::<String>("SELECT format('%s %s', fingerprint, completed) FROM dedup.inbox_default WHERE id = 'c1'"),
-            "fp true"
+            "fp t"
         );
     }
 
@@ -350,7 +367,9 @@ mod tests {
         ));
         run("SELECT dedup.complete('l1')");
         assert_eq!(
-            one::<String>("SELECT format('%s %s', lease_until IS NULL, completed) FROM dedup.inbox_default WHERE id = 'l1'"),
+            one::<String>(
+                "SELECT format('%s %s', lease_until IS NULL, completed) FROM dedup.inbox_default WHERE id = 'l1'"
+            ),
             "t t"
         );
         assert_eq!(claimed("dedup.claim('l1')"), "completed -");
@@ -362,11 +381,9 @@ mod tests {
         assert_eq!(claimed("dedup.claim('fm')"), "in_progress -", "no fingerprint: not checked");
         // Caught by PL/pgSQL, after PostgreSQL finished the error: the SQLSTATE it carries to the client.
         run("CREATE TEMP TABLE caught (state text, message text, detail text)");
-        run(
-            "DO $$ BEGIN PERFORM dedup.claim('fm', 'bbbbbbbbbbbbbbbbbbbbbbbb');
+        run("DO $$ BEGIN PERFORM dedup.claim('fm', 'bbbbbbbbbbbbbbbbbbbbbbbb');
              EXCEPTION WHEN OTHERS THEN INSERT INTO caught VALUES (SQLSTATE, SQLERRM, NULL);
-             END $$",
-        );
+             END $$");
         assert_eq!(
             one::<String>("SELECT state || ' ' || message FROM caught"),
             "PD001 dedup: key \"fm\" of inbox \"default\" was claimed for another request"
@@ -412,7 +429,10 @@ mod tests {
             one::<String>("SELECT dedup.fingerprint('abc'::text)"),
             "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
         );
-        assert_eq!(one::<String>("SELECT dedup.fingerprint('abc'::bytea)"), one::<String>("SELECT dedup.fingerprint('abc'::text)"));
+        assert_eq!(
+            one::<String>("SELECT dedup.fingerprint('abc'::bytea)"),
+            one::<String>("SELECT dedup.fingerprint('abc'::text)")
+        );
         assert_eq!(
             one::<String>("SELECT dedup.fingerprint('{\"b\": [1, 2], \"a\": {\"y\": null, \"x\": true}}'::jsonb)"),
             one::<String>("SELECT dedup.fingerprint('{\"a\":{\"x\":true,\"y\":null},   \"b\":[1,2]}'::jsonb)"),
@@ -423,7 +443,10 @@ mod tests {
             one::<String>("SELECT encode(sha256(convert_to('{\"a\": 1}', 'UTF8')), 'hex')"),
             "the canonical form is jsonb's text"
         );
-        assert_ne!(one::<String>("SELECT dedup.fingerprint('[1, 2]'::jsonb)"), one::<String>("SELECT dedup.fingerprint('[2, 1]'::jsonb)"));
+        assert_ne!(
+            one::<String>("SELECT dedup.fingerprint('[1, 2]'::jsonb)"),
+            one::<String>("SELECT dedup.fingerprint('[2, 1]'::jsonb)")
+        );
     }
 
     #[pg_test]
@@ -434,7 +457,7 @@ mod tests {
         assert_eq!(trigger_calls(), calls, "the speculative insertion wrote the claim");
         assert_eq!(
             one::<String>("SELECT format('%s %s %s', fingerprint, completed, lease_until IS NOT NULL) FROM dedup.inbox_idem_direct"),
-            "fp false true"
+            "fp f t"
         );
         assert!(one::<bool>("SELECT dedup.seen('d1', 'idem_direct')"));
     }

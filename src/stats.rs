@@ -28,31 +28,29 @@ impl Figures {
     }
 }
 
-// The result columns are spelt out in the signature: that is how pgrx names them.
-#[allow(clippy::type_complexity)]
-#[pg_extern(volatile, parallel_safe)]
-fn inbox_stats() -> TableIterator<
-    'static,
-    (
-        name!(inbox, String),
-        name!(marks, Option<i64>),
-        name!(duplicates, Option<i64>),
-        name!(renewals, Option<i64>),
-        name!(purged, Option<i64>),
-        name!(backlog, Option<i64>),
-        name!(lookups, Option<i64>),
-        name!(certainly_new, Option<i64>),
-        name!(false_positives, Option<i64>),
-        name!(filter_trusted, bool),
-        name!(filter_trigger, String),
-        name!(claims_new, Option<i64>),
-        name!(claims_completed, Option<i64>),
-        name!(claims_in_progress, Option<i64>),
-        name!(fingerprint_mismatches, Option<i64>),
-        name!(lease_takeovers, Option<i64>),
-    ),
-> {
-    let rows: Vec<_> = inbox::all_names()
+/// One inbox's row of `inbox_counters()`.
+type CounterRow = (
+    String,
+    Option<i64>,
+    Option<i64>,
+    Option<i64>,
+    Option<i64>,
+    Option<i64>,
+    Option<i64>,
+    Option<i64>,
+    Option<i64>,
+    bool,
+    String,
+    Option<i64>,
+    Option<i64>,
+    Option<i64>,
+    Option<i64>,
+    Option<i64>,
+);
+
+/// Every inbox of this database with its counters.
+fn counter_rows() -> Vec<CounterRow> {
+    inbox::all_names()
         .into_iter()
         .map(|name| {
             let inbox = inbox::open(&name, Access::Read);
@@ -76,11 +74,62 @@ fn inbox_stats() -> TableIterator<
                     f.get(Counter::FingerprintMismatches),
                     f.get(Counter::LeaseTakeovers),
                 ),
-                None => (name, None, None, None, None, None, None, None, None, false, trigger, None, None, None, None, None),
+                None => {
+                    (name, None, None, None, None, None, None, None, None, false, trigger, None, None, None, None, None)
+                }
             }
         })
-        .collect();
-    TableIterator::new(rows)
+        .collect()
+}
+
+// The result columns are spelt out in the signature: that is how pgrx names them.
+#[allow(clippy::type_complexity)]
+#[pg_extern(volatile, parallel_safe)]
+fn inbox_counters() -> TableIterator<
+    'static,
+    (
+        name!(inbox, String),
+        name!(marks, Option<i64>),
+        name!(duplicates, Option<i64>),
+        name!(renewals, Option<i64>),
+        name!(purged, Option<i64>),
+        name!(backlog, Option<i64>),
+        name!(lookups, Option<i64>),
+        name!(certainly_new, Option<i64>),
+        name!(false_positives, Option<i64>),
+        name!(filter_trusted, bool),
+        name!(filter_trigger, String),
+        name!(claims_new, Option<i64>),
+        name!(claims_completed, Option<i64>),
+        name!(claims_in_progress, Option<i64>),
+        name!(fingerprint_mismatches, Option<i64>),
+        name!(lease_takeovers, Option<i64>),
+    ),
+> {
+    TableIterator::new(counter_rows())
+}
+
+/// `dedup.inbox_stats()` of pg_dedup 0.1.0 and 0.2.0 (not part of 0.3.0's schema): their install scripts name it,
+/// and a database whose extension is not updated yet reads `dedup.stats` through it. The first ten columns of
+/// `inbox_counters()`.
+#[allow(clippy::type_complexity)]
+#[pg_extern(volatile, parallel_safe, sql = false)]
+fn inbox_stats() -> TableIterator<
+    'static,
+    (
+        name!(inbox, String),
+        name!(marks, Option<i64>),
+        name!(duplicates, Option<i64>),
+        name!(renewals, Option<i64>),
+        name!(purged, Option<i64>),
+        name!(backlog, Option<i64>),
+        name!(lookups, Option<i64>),
+        name!(certainly_new, Option<i64>),
+        name!(false_positives, Option<i64>),
+        name!(filter_trusted, bool),
+    ),
+> {
+    TableIterator::new(counter_rows().into_iter().map(|r| (r.0, r.1, r.2, r.3, r.4, r.5, r.6, r.7, r.8, r.9)))
 }
 
 // The result columns are spelt out in the signature: that is how pgrx names them.

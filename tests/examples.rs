@@ -232,7 +232,8 @@ fn webhook() {
     let (status, head, first) = post_to(port, "/charges", &[("Idempotency-Key", "k1")], charge);
     assert_eq!((status, first.as_str()), (201, r#"{"account": 5, "charged": 30, "balance": 30}"#));
     assert!(!head.contains("Idempotent-Replayed"));
-    let (status, head, again) = post_to(port, "/charges", &[("Idempotency-Key", "k1")], r#"{"amount": 30, "account": 5}"#);
+    let (status, head, again) =
+        post_to(port, "/charges", &[("Idempotency-Key", "k1")], r#"{"amount": 30, "account": 5}"#);
     assert_eq!((status, again.as_str()), (201, first.as_str()), "a retry gets the stored response");
     assert!(head.contains("Idempotent-Replayed: true"), "{head}");
     let (status, _, _) = post_to(port, "/charges", &[("Idempotency-Key", "k1")], r#"{"account": 5, "amount": 31}"#);

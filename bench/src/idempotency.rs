@@ -60,7 +60,8 @@ pub fn scenarios(c: &mut Client, pgbench: &Pgbench, scale: &Scale) -> Vec<Row> {
     );
     let mut rows = Vec::new();
     for clients in [1, 8] {
-        let setting = crate::compare::Setting { clients, commit: Commit::Async, secs: scale.run_secs, rounds: scale.rounds };
+        let setting =
+            crate::compare::Setting { clients, commit: Commit::Async, secs: scale.run_secs, rounds: scale.rounds };
         let sides = [
             Side::Sql { script: ours_new.clone(), ids: 1 },
             Side::Sql { script: hand_new.clone(), ids: 1 },
@@ -124,8 +125,13 @@ fn mark_size(c: &mut Client) -> Vec<Row> {
     let (new_bytes, new_wal) = measure("dedup.inbox_six_columns");
     let (old_bytes, old_wal) = measure("two_columns");
     vec![
-        Row::new("bytes per mark: inbox row vs 0.2.0's row", ("6 columns", new_bytes), ("2 columns", old_bytes), "B/id")
-            .goal(Goal::AtMost(1.0)),
+        Row::new(
+            "bytes per mark: inbox row vs 0.2.0's row",
+            ("6 columns", new_bytes),
+            ("2 columns", old_bytes),
+            "B/id",
+        )
+        .goal(Goal::AtMost(1.0)),
         Row::new("WAL per mark: inbox row vs 0.2.0's row", ("6 columns", new_wal), ("2 columns", old_wal), "B/id")
             .goal(Goal::AtMost(1.0)),
     ]

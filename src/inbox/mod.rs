@@ -97,6 +97,9 @@ pub struct Shape {
     /// no CHECK constraint, rule or row security), and its one trigger the guarding filter trigger, whose work the
     /// direct insert does itself.
     pub plain: bool,
+    /// Has the table the claim columns (`fingerprint` and the rest)? Not yet in a database whose extension is
+    /// still at 0.2.0 while the 0.3.0 library runs (between the restart and `ALTER EXTENSION pg_dedup UPDATE`).
+    pub claim_columns: bool,
 }
 
 impl Shape {
@@ -124,7 +127,8 @@ impl Shape {
                 || ((*constr).num_check == 0 && (*constr).num_defval == 0 && !(*constr).has_generated_stored))
             && (*rel).rd_rules.is_null()
             && only_ours;
-        Shape { trigger: State::of(rel), plain }
+        let claim_columns = (0..desc.len()).any(|i| column_is(i, "completed", pg_sys::BOOLOID));
+        Shape { trigger: State::of(rel), plain, claim_columns }
     }
 }
 
@@ -185,7 +189,7 @@ impl Inbox {
     pub fn plan(&self, client: &SpiClient<'_>, stmt: Stmt) -> &OwnedPreparedStatement {
         self.plans[stmt.index()].get_or_init(|| {
             client
-                .prepare_mut(stmt.sql(&self.table).as_str(), &stmt.arg_types())
+                .prepare_mut(stmt.sql(&self.table, self.shape().claim_columns).as_str(), &stmt.arg_types())
                 .unwrap_or_else(|e| internal("preparing a statement", e))
                 .keep()
         })

@@ -57,7 +57,8 @@ impl Stmt {
         self as usize
     }
 
-    pub(super) fn sql(self, table: &str) -> String {
+    /// The statement's text for `table`; `claim_columns`: whether the table has the claim columns yet.
+    pub(super) fn sql(self, table: &str, claim_columns: bool) -> String {
         match self {
             Stmt::Insert => format!(
                 "INSERT INTO {table} (id, expires_at) VALUES ($1, $2) ON CONFLICT (id) DO NOTHING RETURNING true"
@@ -69,9 +70,13 @@ impl Stmt {
             Stmt::Probe => format!("SELECT id, expires_at FROM {table} WHERE id OPERATOR(pg_catalog.=) ANY ($1)"),
             Stmt::ProbeOne => format!("SELECT id, expires_at FROM {table} WHERE id OPERATOR(pg_catalog.=) $1"),
             Stmt::Renew => format!(
-                "UPDATE {table} SET expires_at = $2, fingerprint = NULL, result = NULL, lease_until = NULL, \
-                 completed = NULL WHERE id OPERATOR(pg_catalog.=) ANY ($1) \
-                 AND expires_at OPERATOR(pg_catalog.<=) $3 RETURNING id"
+                "UPDATE {table} SET expires_at = $2{} WHERE id OPERATOR(pg_catalog.=) ANY ($1) \
+                 AND expires_at OPERATOR(pg_catalog.<=) $3 RETURNING id",
+                if claim_columns {
+                    ", fingerprint = NULL, result = NULL, lease_until = NULL, completed = NULL"
+                } else {
+                    ""
+                }
             ),
             Stmt::Seen => format!(
                 "SELECT true FROM {table} WHERE id OPERATOR(pg_catalog.=) $1 AND expires_at OPERATOR(pg_catalog.>) $2"
@@ -105,7 +110,9 @@ impl Stmt {
                  WHERE id OPERATOR(pg_catalog.=) $1 AND NOT completed AND expires_at OPERATOR(pg_catalog.>) $3 \
                  RETURNING true"
             ),
-            Stmt::Release => format!("DELETE FROM {table} WHERE id OPERATOR(pg_catalog.=) $1 AND NOT completed RETURNING true"),
+            Stmt::Release => {
+                format!("DELETE FROM {table} WHERE id OPERATOR(pg_catalog.=) $1 AND NOT completed RETURNING true")
+            }
             Stmt::Backlog => format!(
                 "SELECT pg_catalog.count(*) FROM (SELECT 1 FROM {table} \
                  WHERE expires_at OPERATOR(pg_catalog.<=) $1 LIMIT $2) s"
