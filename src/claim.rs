@@ -10,7 +10,7 @@
 //!
 //! When the shared filter says "maybe" for an id, step 2 comes first (a likely duplicate is answered by one
 //! lookup, with no insert attempt); when it says "certainly new", the insert goes first and is usually all it takes:
-//! those ids (and suspects the lookup did not find) go straight into heap and indexes (`direct_insert`), and only
+//! those ids (and suspects the lookup did not find) go straight into heap and indexes (`direct`), and only
 //! what that could not settle takes the rounds.
 //!
 //! Ids are processed in sorted order, so two `mark_many()` calls with overlapping ids lock rows in the same order
@@ -21,7 +21,7 @@ use crate::errors::raise;
 use crate::filter::{self, Trusted};
 use crate::inbox::{Inbox, Stmt};
 use crate::shmem::Counter;
-use crate::{direct_insert, guc};
+use crate::{direct, guc};
 use pgrx::prelude::*;
 use rustc_hash::FxHashSet as HashSet;
 use std::cell::Cell;
@@ -171,7 +171,7 @@ fn claim(inbox: &Inbox, ids: &[&str], suspects: Option<&HashSet<&str>>, expires_
             out.false_positives = (probe_first.len() - duplicates) as u64;
         }
         if !pending.is_empty() {
-            let inserted = direct_insert::insert(inbox, &pending, &direct_insert::Row::mark(expires_at));
+            let inserted = direct::insert(inbox, &pending, &direct::Row::mark(expires_at));
             if inserted.len() == pending.len() {
                 pending.clear();
             } else {
@@ -232,24 +232,26 @@ fn insert(inbox: &Inbox, ids: &[String], expires_at: TimestampWithTimeZone) -> H
 
 /// Splits the rows visible now into live ids and (sorted) expired ids.
 fn probe(inbox: &Inbox, ids: &[String], now: TimestampWithTimeZone) -> (HashSet<String>, Vec<String>) {
-    let (mut live, mut expired) = (HashSet::default(), Vec::new());
-    Spi::connect(|client| {
-        let rows = match ids {
-            [id] => inbox.run(client, Stmt::ProbeOne, &[id.as_str().into()]),
-            _ => inbox.run(client, Stmt::Probe, &[ids.to_vec().into()]),
-        };
-        for row in rows {
-            let id: String = row.get(1).ok().flatten().expect("id is NOT NULL");
-            let expires: TimestampWithTimeZone = row.get(2).ok().flatten().expect("expires_at is NOT NULL");
-            if expires > now {
-                live.insert(id);
-            } else {
-                expired.push(id);
-            }
-        }
-    });
-    expired.sort_unstable();
-    (live, expired)
+    let rows: Vec<(String, TimestampWithTimeZone)> = if direct::readable(inbox) {
+        let borrowed: Vec<&str> = ids.iter().map(String::as_str).collect();
+        let found = direct::find_each(inbox, &borrowed);
+        ids.iter().zip(found).filter_map(|(id, row)| Some((id.clone(), row?.expires_at))).collect()
+    } else {
+        Spi::connect(|client| {
+            let rows = match ids {
+                [id] => inbox.run(client, Stmt::ProbeOne, &[id.as_str().into()]),
+                _ => inbox.run(client, Stmt::Probe, &[ids.to_vec().into()]),
+            };
+            rows.map(|row| {
+                let id: String = row.get(1).ok().flatten().expect("id is NOT NULL");
+                (id, row.get(2).ok().flatten().expect("expires_at is NOT NULL"))
+            })
+            .collect()
+        })
+    };
+    let (live, mut expired): (Vec<_>, Vec<_>) = rows.into_iter().partition(|(_, expires)| *expires > now);
+    expired.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+    (live.into_iter().map(|(id, _)| id).collect(), expired.into_iter().map(|(id, _)| id).collect())
 }
 
 fn returned_ids(inbox: &Inbox, stmt: Stmt, args: &[pgrx::datum::DatumWithOid<'_>]) -> HashSet<String> {
@@ -273,6 +275,9 @@ pub fn seen(inbox: &Inbox, id: &str) -> bool {
 
 /// Does the index hold a live mark for `id`, visible to this transaction?
 fn live_row(inbox: &Inbox, id: &str) -> bool {
+    if direct::readable(inbox) {
+        return direct::find(inbox, id).is_some_and(|row| row.expires_at > statement_now());
+    }
     Spi::connect(|client| !inbox.run(client, Stmt::Seen, &[id.into(), statement_now().into()]).is_empty())
 }
 

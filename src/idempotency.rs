@@ -10,10 +10,11 @@
 //!   taken over, `new`;
 //! - any other committed row (a mark, a completed claim, a claim whose transaction committed without a lease):
 //!   `completed`, with the stored result.
+//!
 //! A live key reused with another fingerprint is refused with SQLSTATE PD001 (an expired one is simply taken over).
 
 use crate::clock::{expiry, statement_now};
-use crate::direct_insert::{self, Row};
+use crate::direct::{self, Found, Row};
 use crate::errors::{raise, raise_with_sqlstate, sqlstate};
 use crate::inbox::{self, Access, Inbox, Stmt};
 use crate::jsonb::Jsonb;
@@ -31,18 +32,11 @@ enum Answer {
     InProgress,
 }
 
-/// The row of a key, as this transaction sees it now.
-struct Found {
-    expires_at: TimestampWithTimeZone,
-    fingerprint: Option<String>,
-    result: Option<Jsonb>,
-    lease_until: Option<TimestampWithTimeZone>,
-    completed: Option<bool>,
-    /// Written by this transaction (or one of its subtransactions): its claim, not committed yet.
-    mine: bool,
-}
-
+/// The row of key `id`, as this transaction sees it now: read directly, or through SQL where the table needs it.
 fn probe(inbox: &Inbox, id: &str) -> Option<Found> {
+    if direct::readable(inbox) {
+        return direct::find(inbox, id);
+    }
     Spi::connect(|client| {
         let rows = inbox.run(client, Stmt::ClaimProbe, &[id.into()]);
         let row = rows.into_iter().next()?;
@@ -52,6 +46,7 @@ fn probe(inbox: &Inbox, id: &str) -> Option<Found> {
         // SAFETY: inside the SPI connection, a jsonb column.
         let result = row.get::<Jsonb>(3).ok().flatten().map(|r| unsafe { Jsonb::from_spi(r.datum()) });
         Some(Found {
+            tid: None,
             expires_at: row.get(1).ok().flatten().expect("expires_at is NOT NULL"),
             fingerprint: row.get(2).ok().flatten(),
             result,
@@ -104,7 +99,7 @@ fn claim_key(inbox: &Inbox, id: &str, row: &Row, now: TimestampWithTimeZone, wai
     };
     // A key the filter vouches for goes straight in (a speculative insertion, which never waits either).
     let says_new = claim::filter_says_new(inbox, id);
-    if says_new == Some(true) && direct_insert::insert(inbox, &[id.to_owned()], row).len() == 1 {
+    if says_new == Some(true) && direct::insert(inbox, &[id.to_owned()], row).len() == 1 {
         return Answer::New;
     }
     // The filter said "maybe" and the key turns out to have no row: a false positive.
@@ -123,7 +118,7 @@ fn claim_key(inbox: &Inbox, id: &str, row: &Row, now: TimestampWithTimeZone, wai
             let inserted = if wait {
                 wrote(inbox, Stmt::ClaimInsert, &args(None))
             } else if inbox.shape().plain {
-                direct_insert::insert(inbox, &[id.to_owned()], row).len() == 1
+                direct::insert(inbox, &[id.to_owned()], row).len() == 1
             } else {
                 wrote_at_once(inbox, Stmt::ClaimInsert, &args(None)).unwrap_or(false)
             };
@@ -194,7 +189,7 @@ fn claim(
             "Pass a lease shorter than the ttl (the inbox's default ttl when NULL).",
         )
     }
-    let row = Row { expires_at, fingerprint, lease_until, completed: Some(false) };
+    let row = Row { expires_at, fingerprint, result: None, lease_until, completed: Some(false) };
     let (state, result, counter) = match claim_key(&inbox, id, &row, now, wait) {
         Answer::New => ("new", None, Counter::ClaimsNew),
         Answer::Completed(result) => ("completed", result, Counter::ClaimsCompleted),
@@ -245,6 +240,8 @@ fn complete(id: Option<&str>, result: default!(Option<Jsonb>, "NULL"), inbox: de
         )
     } else if !holds {
         not_in_progress("is already completed".into(), "A completed key keeps its first result; claim() returns it.")
+    } else if found.tid.is_some() && found.mine {
+        direct::complete_own(&inbox, id, &found, result);
     } else if !wrote(&inbox, Stmt::Complete, &[id.into(), result.into(), now.into()]) {
         not_in_progress(
             "is no longer in progress: it was completed, released or forgotten meanwhile".into(),
@@ -388,7 +385,7 @@ mod tests {
             one::<String>("SELECT state || ' ' || message FROM caught"),
             "PD001 dedup: key \"fm\" of inbox \"default\" was claimed for another request"
         );
-        assert_eq!(one::<i64>("SELECT fingerprint_mismatches FROM dedup.stats WHERE inbox = 'default'") >= 1, true);
+        assert!(one::<i64>("SELECT fingerprint_mismatches FROM dedup.stats WHERE inbox = 'default'") >= 1);
     }
 
     #[pg_test]
@@ -447,6 +444,27 @@ mod tests {
             one::<String>("SELECT dedup.fingerprint('[1, 2]'::jsonb)"),
             one::<String>("SELECT dedup.fingerprint('[2, 1]'::jsonb)")
         );
+    }
+
+    #[pg_test]
+    fn idem_an_inbox_that_needs_the_executor_gets_the_same_answers_through_sql() {
+        // Row security (here permissive for everyone) makes the table need the executor: no direct reads or writes.
+        run("SELECT dedup.create_inbox('idem_sql');
+             ALTER TABLE dedup.inbox_idem_sql ENABLE ROW LEVEL SECURITY;
+             CREATE POLICY everyone ON dedup.inbox_idem_sql USING (true)");
+        assert!(!crate::inbox::open("idem_sql", crate::inbox::Access::Mark).shape().plain);
+        assert_eq!(claimed("dedup.claim('s1', 'fp', inbox => 'idem_sql')"), "new -");
+        assert_eq!(claimed("dedup.claim('s1', 'fp', inbox => 'idem_sql')"), "in_progress -");
+        run("SELECT dedup.complete('s1', '{\"r\": 1}', 'idem_sql')");
+        assert_eq!(claimed("dedup.claim('s1', 'fp', inbox => 'idem_sql')"), "completed {\"r\": 1}");
+        assert_dedup_error(
+            "SELECT dedup.complete('s1', NULL, 'idem_sql')",
+            PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
+        );
+        assert_eq!(claimed("dedup.claim('s2', inbox => 'idem_sql', lease => '1 minute')"), "new -");
+        assert!(one::<bool>("SELECT dedup.release('s2', 'idem_sql')"));
+        assert!(!one::<bool>("SELECT dedup.mark('s1', NULL, 'idem_sql')"), "a duplicate through the statements");
+        assert!(one::<bool>("SELECT dedup.seen('s1', 'idem_sql')"));
     }
 
     #[pg_test]

@@ -26,6 +26,16 @@ impl Jsonb {
         self.0
     }
 
+    /// A detoasted copy of `datum` in the current memory context, independent of the tuple or buffer it was read
+    /// from.
+    ///
+    /// # Safety
+    /// `datum` must be a jsonb varlena.
+    pub unsafe fn copy_of(datum: pg_sys::Datum) -> Jsonb {
+        // SAFETY: the caller vouches for the datum; the copy is palloc'd.
+        Jsonb(pg_sys::Datum::from(unsafe { pg_sys::pg_detoast_datum_copy(datum.cast_mut_ptr()) }))
+    }
+
     /// Copies a jsonb value read through SPI out of SPI's memory (detoasted), into the memory context that was
     /// current when the SPI connection was opened: it outlives the connection.
     ///

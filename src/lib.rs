@@ -5,7 +5,7 @@
 //! - `claim`   — the claim algorithm: ask the filter, insert, wait for concurrent claims, renew expired marks
 //! - `idempotency` — idempotency keys: claim(), complete(), release(), fingerprint()
 //! - `jsonb`   — a jsonb value passed through without parsing (stored results)
-//! - `direct_insert` — certainly-new ids straight into heap and indexes, without the executor
+//! - `direct`  — inbox rows read and written without the executor: certainly-new ids, one id's row, completions
 //! - `inbox`   — inbox tables: their statements, the registry, and the per-backend cache
 //! - `filter`  — the shared-memory Bloom filter in front of the indexes (preloaded only)
 //! - `trigger` — the filter trigger on every inbox table, and the DDL watch that keeps the filter honest about it
@@ -28,7 +28,7 @@ mod api;
 mod catalog;
 mod claim;
 mod clock;
-mod direct_insert;
+mod direct;
 mod errors;
 mod filter;
 mod guc;

@@ -32,6 +32,16 @@ pub fn relation_owner(relid: pg_sys::Oid) -> Option<pg_sys::Oid> {
     }
 }
 
+/// Which row `ExecInsertIndexTuples` adds index entries for: a new row, or the new version of an updated row (all
+/// indexes, or since 16 only the summarizing ones, BRIN, after a HOT update).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Entries {
+    Inserted,
+    Updated,
+    #[cfg(any(feature = "pg16", feature = "pg17", feature = "pg18"))]
+    UpdatedSummarizing,
+}
+
 /// `ExecInsertIndexTuples` (its signature changed in 14 and 16). Without `conflict` a duplicate key raises
 /// unique_violation; with it, a possible duplicate in a unique index sets `*conflict` instead (speculative insertion).
 /// All unique indexes are arbiters (NIL), as for ON CONFLICT without a conflict target.
@@ -44,6 +54,7 @@ pub unsafe fn ExecInsertIndexTuples(
     slot: *mut pg_sys::TupleTableSlot,
     estate: *mut pg_sys::EState,
     conflict: Option<&mut bool>,
+    entries: Entries,
 ) {
     let no_dup_err = conflict.is_some();
     let conflict = conflict.map_or(std::ptr::null_mut(), |c| c as *mut bool);
@@ -52,14 +63,96 @@ pub unsafe fn ExecInsertIndexTuples(
     unsafe {
         #[cfg(feature = "pg13")]
         {
-            // 13 finds the result relation in the executor state.
+            // 13 finds the result relation in the executor state, and makes no difference for updates.
+            let _ = entries;
             (*estate).es_result_relation_info = result_rel;
             pg_sys::ExecInsertIndexTuples(slot, estate, no_dup_err, conflict, arbiters);
         }
         #[cfg(any(feature = "pg14", feature = "pg15"))]
-        pg_sys::ExecInsertIndexTuples(result_rel, slot, estate, false, no_dup_err, conflict, arbiters);
+        {
+            let update = entries == Entries::Updated;
+            pg_sys::ExecInsertIndexTuples(result_rel, slot, estate, update, no_dup_err, conflict, arbiters);
+        }
         #[cfg(any(feature = "pg16", feature = "pg17", feature = "pg18"))]
-        pg_sys::ExecInsertIndexTuples(result_rel, slot, estate, false, no_dup_err, conflict, arbiters, false);
+        {
+            let update = entries != Entries::Inserted;
+            let only_summarizing = entries == Entries::UpdatedSummarizing;
+            pg_sys::ExecInsertIndexTuples(
+                result_rel,
+                slot,
+                estate,
+                update,
+                no_dup_err,
+                conflict,
+                arbiters,
+                only_summarizing,
+            );
+        }
+    }
+}
+
+/// `simple_table_tuple_update` (its last argument became an enum in 16): replaces the row at `otid` with the one
+/// `slot` holds, raising an error if another transaction changed it meanwhile. Returns the index entries the new
+/// version needs, None after a HOT update that needs none.
+///
+/// # Safety
+/// `rel` must be open with a lock that allows updating, `slot` one of its slots holding the new row.
+pub unsafe fn simple_table_tuple_update(
+    rel: pg_sys::Relation,
+    otid: &mut pg_sys::ItemPointerData,
+    slot: *mut pg_sys::TupleTableSlot,
+    snapshot: pg_sys::Snapshot,
+) -> Option<Entries> {
+    // SAFETY: the caller vouches for the relation and slot.
+    unsafe {
+        #[cfg(any(feature = "pg13", feature = "pg14", feature = "pg15"))]
+        {
+            let mut update_indexes = false;
+            pg_sys::simple_table_tuple_update(rel, otid, slot, snapshot, &mut update_indexes);
+            update_indexes.then_some(Entries::Updated)
+        }
+        #[cfg(any(feature = "pg16", feature = "pg17", feature = "pg18"))]
+        {
+            let mut update_indexes = pg_sys::TU_UpdateIndexes::TU_None;
+            pg_sys::simple_table_tuple_update(rel, otid, slot, snapshot, &mut update_indexes);
+            match update_indexes {
+                pg_sys::TU_UpdateIndexes::TU_All => Some(Entries::Updated),
+                pg_sys::TU_UpdateIndexes::TU_Summarizing => Some(Entries::UpdatedSummarizing),
+                _ => None,
+            }
+        }
+    }
+}
+
+/// `index_beginscan` (18 added instrumentation, which we leave out).
+///
+/// # Safety
+/// `heap` and `index` must be open and locked, `snapshot` registered for as long as the scan lasts.
+pub unsafe fn index_beginscan(
+    heap: pg_sys::Relation,
+    index: pg_sys::Relation,
+    snapshot: pg_sys::Snapshot,
+    nkeys: i32,
+) -> pg_sys::IndexScanDesc {
+    // SAFETY: the caller vouches for the relations and snapshot.
+    unsafe {
+        #[cfg(not(feature = "pg18"))]
+        return pg_sys::index_beginscan(heap, index, snapshot, nkeys, 0);
+        #[cfg(feature = "pg18")]
+        return pg_sys::index_beginscan(heap, index, snapshot, std::ptr::null_mut(), nkeys, 0);
+    }
+}
+
+/// The primary key index of `rel` (`RelationGetPrimaryKeyIndex`, whose signature changed in 17), InvalidOid if
+/// it has none.
+///
+/// # Safety
+/// `rel` must be an open relation.
+pub unsafe fn primary_key_index(rel: pg_sys::Relation) -> pg_sys::Oid {
+    // SAFETY: the caller vouches for the relation; the list is the relcache's copy, ours to free.
+    unsafe {
+        pg_sys::list_free(pg_sys::RelationGetIndexList(rel));
+        (*rel).rd_pkindex
     }
 }
 

@@ -100,6 +100,8 @@ pub struct Shape {
     /// Has the table the claim columns (`fingerprint` and the rest)? Not yet in a database whose extension is
     /// still at 0.2.0 while the 0.3.0 library runs (between the restart and `ALTER EXTENSION pg_dedup UPDATE`).
     pub claim_columns: bool,
+    /// The primary key's index (InvalidOid if an owner dropped it), which `direct::find` reads.
+    pub pkey: pg_sys::Oid,
 }
 
 impl Shape {
@@ -128,7 +130,7 @@ impl Shape {
             && (*rel).rd_rules.is_null()
             && only_ours;
         let claim_columns = (0..desc.len()).any(|i| column_is(i, "completed", pg_sys::BOOLOID));
-        Shape { trigger: State::of(rel), plain, claim_columns }
+        Shape { trigger: State::of(rel), plain, claim_columns, pkey: crate::ports::primary_key_index(rel) }
     }
 }
 

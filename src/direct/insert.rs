@@ -16,10 +16,9 @@
 //!   transaction id.
 //!
 //! Either way the unique index stays the truth, and an id that did not go in is left to the caller's ordinary
-//! path, whose pre-check waits for the other claim. Tables with anything the executor would have to honour beyond
-//! the row itself (another trigger, a rule, row security, a CHECK constraint, columns an owner added after
-//! `NOT OF`) are always left to the executor.
+//! path, whose pre-check waits for the other claim.
 
+use super::{row_slots, store_row, with_indexes, Row, Values};
 use crate::inbox::Inbox;
 use crate::{filter, ports, xact};
 use pgrx::prelude::*;
@@ -28,48 +27,6 @@ use pgrx::prelude::*;
 /// which pays for itself only over a batch (and a mark per transaction must not double the rate at which the
 /// cluster consumes xids).
 const MIN_IDS: usize = 8;
-
-/// What goes into the row beside its id: the window, and for a claim (`idempotency`) its fingerprint, lease and
-/// completion state (a mark leaves them NULL).
-#[derive(Clone, Copy)]
-pub struct Row<'a> {
-    pub expires_at: TimestampWithTimeZone,
-    pub fingerprint: Option<&'a str>,
-    pub lease_until: Option<TimestampWithTimeZone>,
-    pub completed: Option<bool>,
-}
-
-impl Row<'_> {
-    /// A plain mark's row.
-    pub fn mark(expires_at: TimestampWithTimeZone) -> Row<'static> {
-        Row { expires_at, fingerprint: None, lease_until: None, completed: None }
-    }
-}
-
-/// The values of a row but its id, as datums (the fingerprint's text is allocated in the current memory context).
-struct Values {
-    datums: [pg_sys::Datum; 5],
-    nulls: [bool; 5],
-}
-
-impl Values {
-    fn of(row: &Row) -> Values {
-        let text = |s: &str| {
-            // SAFETY: copies the bytes into a text datum of the current memory context.
-            pg_sys::Datum::from(unsafe {
-                pg_sys::cstring_to_text_with_len(s.as_ptr() as *const std::ffi::c_char, s.len() as i32)
-            })
-        };
-        let values = [
-            row.expires_at.into_datum(),
-            row.fingerprint.map(text),
-            None, // result: only complete() writes it
-            row.lease_until.and_then(|t| t.into_datum()),
-            row.completed.and_then(|c| c.into_datum()),
-        ];
-        Values { datums: values.map(|v| v.unwrap_or(pg_sys::Datum::from(0))), nulls: values.map(|v| v.is_none()) }
-    }
-}
 
 /// Inserts what it can of `ids` (sorted, distinct) with the values of `row` and returns the ids it inserted, a
 /// prefix of `ids`. Nothing was written for the others: the table needs the executor, or an id had a row after all
@@ -148,7 +105,7 @@ unsafe fn insert_one(
         token,
     );
     let mut conflict = false;
-    ports::ExecInsertIndexTuples(result_rel, slot, estate, Some(&mut conflict));
+    ports::ExecInsertIndexTuples(result_rel, slot, estate, Some(&mut conflict), ports::Entries::Inserted);
     pg_sys::table_tuple_complete_speculative(rel, slot, token, !conflict);
     pg_sys::SpeculativeInsertionLockRelease(xid);
     if !conflict {
@@ -173,62 +130,13 @@ unsafe fn write_rows(rel: pg_sys::Relation, ns: u64, ids: &[String], values: &Va
         let cid = pg_sys::GetCurrentCommandId(true);
         multi_insert(rel, slots.as_ptr() as *mut _, slots.len() as i32, cid, 0, std::ptr::null_mut());
         for &slot in &slots {
-            ports::ExecInsertIndexTuples(result_rel, slot, estate, None);
+            ports::ExecInsertIndexTuples(result_rel, slot, estate, None, ports::Entries::Inserted);
             pg_sys::ExecDropSingleTupleTableSlot(slot);
         }
     });
     // What the filter trigger does for the executor: the bits, once the rows exist (a unique violation above
     // undoes the rows, and no bits are needed).
     filter::add(ns, ids);
-}
-
-/// Runs `body` with the table's indexes open for insertion, in an executor state of our own (there is no query)
-/// whose memory holds everything `body` allocates and goes when it is done.
-///
-/// # Safety
-/// `rel` must be open with a lock that allows inserting; the pointers `body` gets live only while it runs.
-unsafe fn with_indexes<R>(
-    rel: pg_sys::Relation,
-    body: impl FnOnce(*mut pg_sys::EState, *mut pg_sys::ResultRelInfo) -> R,
-) -> R {
-    let estate = pg_sys::CreateExecutorState();
-    let caller = pg_sys::MemoryContextSwitchTo((*estate).es_query_cxt);
-    let result_rel = pg_sys::palloc0(std::mem::size_of::<pg_sys::ResultRelInfo>()) as *mut pg_sys::ResultRelInfo;
-    (*result_rel).type_ = pg_sys::NodeTag::T_ResultRelInfo;
-    // Range-table index 0: there is no query, hence no range table.
-    pg_sys::InitResultRelInfo(result_rel, rel, 0, std::ptr::null_mut(), 0);
-    pg_sys::ExecOpenIndices(result_rel, false);
-    let result = body(estate, result_rel);
-    pg_sys::ExecCloseIndices(result_rel);
-    pg_sys::MemoryContextSwitchTo(caller);
-    pg_sys::FreeExecutorState(estate);
-    result
-}
-
-/// `n` empty slots for inbox rows. They share a private copy of the row type: the relation's own is
-/// reference-counted, and a thousand slots pinning it through the resource owner cost more than the inserts.
-///
-/// # Safety
-/// `rel` must be open; the slots live in the current memory context and must be dropped before it goes.
-unsafe fn row_slots(rel: pg_sys::Relation, n: usize) -> Vec<*mut pg_sys::TupleTableSlot> {
-    let desc = pg_sys::CreateTupleDescCopy((*rel).rd_att);
-    (0..n).map(|_| pg_sys::MakeSingleTupleTableSlot(desc, pg_sys::table_slot_callbacks(rel))).collect()
-}
-
-/// Makes `slot` hold the row of `id` with `values`.
-///
-/// # Safety
-/// `slot` must be a slot of the inbox row type (from `row_slots`).
-unsafe fn store_row(slot: *mut pg_sys::TupleTableSlot, id: &str, values: &Values) {
-    pg_sys::ExecClearTuple(slot);
-    let text = pg_sys::cstring_to_text_with_len(id.as_ptr() as *const std::ffi::c_char, id.len() as i32);
-    *(*slot).tts_values.add(0) = pg_sys::Datum::from(text);
-    *(*slot).tts_isnull.add(0) = false;
-    for (i, (datum, null)) in values.datums.iter().zip(values.nulls).enumerate() {
-        *(*slot).tts_values.add(i + 1) = *datum;
-        *(*slot).tts_isnull.add(i + 1) = null;
-    }
-    pg_sys::ExecStoreVirtualTuple(slot);
 }
 
 #[cfg(any(test, feature = "pg_test"))]

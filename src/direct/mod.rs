@@ -1,0 +1,123 @@
+//! Reading and writing inbox rows straight through the heap and indexes, without SQL and the executor, where a
+//! statement would spend most of its time on the statement itself (a plan started and ended, a snapshot, a
+//! RETURNING row) rather than on the row:
+//! - `insert`: ids the filter vouches for, into heap and indexes;
+//! - `lookup`: the row of one id, through the primary key, as a statement of this transaction would see it;
+//! - `update`: a claim this transaction wrote, completed in place.
+//!
+//! Only tables whose `Shape` is `plain` qualify: the inbox row type exactly, and nothing the executor would have to
+//! honour beyond the row itself (another trigger, a rule, row security, a CHECK constraint). Every other table is
+//! left to the SQL statements of `inbox::Stmt`, which obey the same rules.
+
+mod insert;
+mod lookup;
+mod update;
+
+pub use insert::insert;
+pub use lookup::{find, find_each, readable, Found};
+pub use update::complete_own;
+
+use crate::jsonb::Jsonb;
+use pgrx::prelude::*;
+
+/// What goes into the row beside its id: the window, and for a claim (`idempotency`) its fingerprint, result,
+/// lease and completion state (a mark leaves them NULL).
+#[derive(Clone, Copy)]
+pub struct Row<'a> {
+    pub expires_at: TimestampWithTimeZone,
+    pub fingerprint: Option<&'a str>,
+    pub result: Option<Jsonb>,
+    pub lease_until: Option<TimestampWithTimeZone>,
+    pub completed: Option<bool>,
+}
+
+impl Row<'_> {
+    /// A plain mark's row.
+    pub fn mark(expires_at: TimestampWithTimeZone) -> Row<'static> {
+        Row { expires_at, fingerprint: None, result: None, lease_until: None, completed: None }
+    }
+}
+
+/// The values of a row but its id, as datums (the fingerprint's text is allocated in the current memory context).
+struct Values {
+    datums: [pg_sys::Datum; 5],
+    nulls: [bool; 5],
+}
+
+impl Values {
+    fn of(row: &Row) -> Values {
+        let values = [
+            row.expires_at.into_datum(),
+            row.fingerprint.map(text),
+            row.result.map(|r| r.datum()),
+            row.lease_until.and_then(|t| t.into_datum()),
+            row.completed.and_then(|c| c.into_datum()),
+        ];
+        Values { datums: values.map(|v| v.unwrap_or(pg_sys::Datum::from(0))), nulls: values.map(|v| v.is_none()) }
+    }
+}
+
+/// `s` as a text datum, allocated in the current memory context.
+fn text(s: &str) -> pg_sys::Datum {
+    // SAFETY: copies the bytes into a new varlena.
+    pg_sys::Datum::from(unsafe {
+        pg_sys::cstring_to_text_with_len(s.as_ptr() as *const std::ffi::c_char, s.len() as i32)
+    })
+}
+
+/// Runs `body` with the table's indexes open for insertion, in an executor state of our own (there is no query)
+/// whose memory holds everything `body` allocates and goes when it is done.
+///
+/// # Safety
+/// `rel` must be open with a lock that allows inserting; the pointers `body` gets live only while it runs.
+unsafe fn with_indexes<R>(
+    rel: pg_sys::Relation,
+    body: impl FnOnce(*mut pg_sys::EState, *mut pg_sys::ResultRelInfo) -> R,
+) -> R {
+    // SAFETY: the caller vouches for the relation; everything allocated here goes with the executor state.
+    unsafe {
+        let estate = pg_sys::CreateExecutorState();
+        let caller = pg_sys::MemoryContextSwitchTo((*estate).es_query_cxt);
+        let result_rel = pg_sys::palloc0(std::mem::size_of::<pg_sys::ResultRelInfo>()) as *mut pg_sys::ResultRelInfo;
+        (*result_rel).type_ = pg_sys::NodeTag::T_ResultRelInfo;
+        // Range-table index 0: there is no query, hence no range table.
+        pg_sys::InitResultRelInfo(result_rel, rel, 0, std::ptr::null_mut(), 0);
+        pg_sys::ExecOpenIndices(result_rel, false);
+        let result = body(estate, result_rel);
+        pg_sys::ExecCloseIndices(result_rel);
+        pg_sys::MemoryContextSwitchTo(caller);
+        pg_sys::FreeExecutorState(estate);
+        result
+    }
+}
+
+/// `n` empty slots for inbox rows. They share a private copy of the row type: the relation's own is
+/// reference-counted, and a thousand slots pinning it through the resource owner cost more than the inserts.
+///
+/// # Safety
+/// `rel` must be open; the slots live in the current memory context and must be dropped before it goes.
+unsafe fn row_slots(rel: pg_sys::Relation, n: usize) -> Vec<*mut pg_sys::TupleTableSlot> {
+    // SAFETY: the caller vouches for the relation.
+    unsafe {
+        let desc = pg_sys::CreateTupleDescCopy((*rel).rd_att);
+        (0..n).map(|_| pg_sys::MakeSingleTupleTableSlot(desc, pg_sys::table_slot_callbacks(rel))).collect()
+    }
+}
+
+/// Makes `slot` hold the row of `id` with `values`.
+///
+/// # Safety
+/// `slot` must be a slot of the inbox row type (from `row_slots`).
+unsafe fn store_row(slot: *mut pg_sys::TupleTableSlot, id: &str, values: &Values) {
+    // SAFETY: the slot has the row type's six columns, so its value and null arrays have six entries.
+    unsafe {
+        pg_sys::ExecClearTuple(slot);
+        *(*slot).tts_values.add(0) = text(id);
+        *(*slot).tts_isnull.add(0) = false;
+        for (i, (datum, null)) in values.datums.iter().zip(values.nulls).enumerate() {
+            *(*slot).tts_values.add(i + 1) = *datum;
+            *(*slot).tts_isnull.add(i + 1) = null;
+        }
+        pg_sys::ExecStoreVirtualTuple(slot);
+    }
+}
