@@ -34,3 +34,31 @@ SELECT r.name,
   LEFT JOIN pg_catalog.pg_class c
          ON c.relname OPERATOR(pg_catalog.=) ('inbox_' OPERATOR(pg_catalog.||) r.name)
         AND c.relnamespace OPERATOR(pg_catalog.=) 'dedup'::pg_catalog.regnamespace;
+
+-- Per-key positions of dedup.advance() (docs/ingest.md), for every inbox, apart from the inbox tables: a key of
+-- advance() and an id of mark() never meet. Written and read only by the extension's owner, on behalf of callers
+-- whose rights on the inbox's table advance() and position() check (src/positions.rs). pg_dump keeps the rows.
+CREATE TABLE dedup.positions (
+    inbox       text NOT NULL,
+    key         text COLLATE "C" NOT NULL,
+    position    bigint NOT NULL,
+    expires_at  timestamptz NOT NULL,
+    PRIMARY KEY (inbox, key)
+);
+CREATE INDEX ON dedup.positions (inbox, expires_at);
+SELECT pg_catalog.pg_extension_config_dump('dedup.positions', '');
+
+-- Tables whose inserts are deduplicated (dedup.attach(), docs/ingest.md): the key expression over the table's
+-- columns, the inbox that holds the keys, their window (NULL: the inbox's default) and what happens to a duplicate
+-- row. `tbl` is a regclass, so pg_dump writes the table's name and a restore finds the new table by it.
+CREATE TABLE dedup.attachment_registry (
+    tbl          pg_catalog.regclass PRIMARY KEY,
+    key          text NOT NULL,
+    inbox        text NOT NULL,
+    ttl          interval,
+    on_duplicate text NOT NULL CHECK (on_duplicate IN ('skip', 'error'))
+);
+SELECT pg_catalog.pg_extension_config_dump('dedup.attachment_registry', '');
+
+CREATE VIEW dedup.attachments AS
+SELECT tbl, key, inbox, ttl, on_duplicate FROM dedup.attachment_registry;

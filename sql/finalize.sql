@@ -12,7 +12,7 @@ SELECT i.inbox, i.marks, i.duplicates, i.renewals, i.purged, i.backlog, i.lookup
        i.false_positives, i.filter_trusted,
        w.*, f.*,
        i.filter_trigger, i.claims_new, i.claims_completed, i.claims_in_progress, i.fingerprint_mismatches,
-       i.lease_takeovers
+       i.lease_takeovers, i.advances, i.stale_advances, i.rows_passed, i.rows_dropped
   FROM dedup.inbox_counters() AS i
  CROSS JOIN dedup.worker_stats() AS w
  CROSS JOIN dedup.filter_stats() AS f;
@@ -26,6 +26,10 @@ CREATE EVENT TRIGGER dedup_watch_ddl ON ddl_command_end
   EXECUTE FUNCTION dedup.watch_ddl();
 -- Also under session_replication_role = replica (logical replication's apply, some restores).
 ALTER EVENT TRIGGER dedup_watch_ddl ENABLE ALWAYS;
+
+-- DROP TABLE of an attached table (dedup.attach()) removes its attachment (src/attach/mod.rs).
+CREATE EVENT TRIGGER dedup_watch_drop ON sql_drop EXECUTE FUNCTION dedup.watch_drop();
+ALTER EVENT TRIGGER dedup_watch_drop ENABLE ALWAYS;
 
 -- Nothing is granted to PUBLIC: a role can use pg_dedup only once an administrator grants it (see README,
 -- "Privileges"). Functions are EXECUTE-able by PUBLIC by default in Postgres, so take that back. (Firing a trigger

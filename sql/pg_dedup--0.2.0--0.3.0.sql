@@ -16,6 +16,9 @@
 -- 5. Idempotency keys (docs/idempotency-keys.md): claim(), complete(), release() and fingerprint(), stored in the
 --    inboxes' own rows, which gain four columns (NULL for marks: no rewrite, and no byte more per mark), and
 --    dedup.stats gains their counters.
+-- 6. Ingest (docs/ingest.md): attach()/detach() and the dedup.attachments view deduplicate a table's inserts, and
+--    advance()/position() keep per-key positions in a table of their own, dedup.positions; dedup.stats counts
+--    both.
 \echo Use "ALTER EXTENSION pg_dedup UPDATE TO '0.3.0'" to load this file. \quit
 
 ALTER TYPE dedup.inbox_row
@@ -87,7 +90,11 @@ CREATE FUNCTION dedup.inbox_counters() RETURNS TABLE (
 	"claims_completed" bigint,
 	"claims_in_progress" bigint,
 	"fingerprint_mismatches" bigint,
-	"lease_takeovers" bigint
+	"lease_takeovers" bigint,
+	"advances" bigint,
+	"stale_advances" bigint,
+	"rows_passed" bigint,
+	"rows_dropped" bigint
 )
 STRICT VOLATILE PARALLEL SAFE
 LANGUAGE c
@@ -98,7 +105,7 @@ SELECT i.inbox, i.marks, i.duplicates, i.renewals, i.purged, i.backlog, i.lookup
        i.false_positives, i.filter_trusted,
        w.*, f.*,
        i.filter_trigger, i.claims_new, i.claims_completed, i.claims_in_progress, i.fingerprint_mismatches,
-       i.lease_takeovers
+       i.lease_takeovers, i.advances, i.stale_advances, i.rows_passed, i.rows_dropped
   FROM dedup.inbox_counters() AS i
  CROSS JOIN dedup.worker_stats() AS w
  CROSS JOIN dedup.filter_stats() AS f;
@@ -225,3 +232,53 @@ CREATE EVENT TRIGGER dedup_watch_ddl ON ddl_command_end
   EXECUTE FUNCTION dedup.watch_ddl();
 -- Also under session_replication_role = replica (logical replication's apply, some restores).
 ALTER EVENT TRIGGER dedup_watch_ddl ENABLE ALWAYS;
+
+-- 6. Ingest: per-key positions and attached tables (as in bootstrap.sql and finalize.sql).
+CREATE TABLE dedup.positions (
+    inbox       text NOT NULL,
+    key         text COLLATE "C" NOT NULL,
+    position    bigint NOT NULL,
+    expires_at  timestamptz NOT NULL,
+    PRIMARY KEY (inbox, key)
+);
+CREATE INDEX ON dedup.positions (inbox, expires_at);
+SELECT pg_catalog.pg_extension_config_dump('dedup.positions', '');
+CREATE TABLE dedup.attachment_registry (
+    tbl          pg_catalog.regclass PRIMARY KEY,
+    key          text NOT NULL,
+    inbox        text NOT NULL,
+    ttl          interval,
+    on_duplicate text NOT NULL CHECK (on_duplicate IN ('skip', 'error'))
+);
+SELECT pg_catalog.pg_extension_config_dump('dedup.attachment_registry', '');
+CREATE VIEW dedup.attachments AS
+SELECT tbl, key, inbox, ttl, on_duplicate FROM dedup.attachment_registry;
+REVOKE ALL ON dedup.positions, dedup.attachment_registry, dedup.attachments FROM PUBLIC;
+CREATE FUNCTION dedup.advance(
+	"key" TEXT,
+	"position" bigint,
+	"inbox" TEXT DEFAULT 'default',
+	"ttl" interval DEFAULT NULL
+) RETURNS bool
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'advance_wrapper';
+CREATE FUNCTION dedup."position"(
+	"key" TEXT,
+	"inbox" TEXT DEFAULT 'default'
+) RETURNS bigint
+STABLE PARALLEL RESTRICTED
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'position_wrapper';
+CREATE FUNCTION dedup.attach(tbl regclass, key text, ttl interval DEFAULT NULL, inbox text DEFAULT 'default',
+                             on_duplicate text DEFAULT 'skip') RETURNS void
+VOLATILE PARALLEL UNSAFE LANGUAGE c AS 'MODULE_PATHNAME', 'attach_wrapper';
+CREATE FUNCTION dedup.detach(tbl regclass) RETURNS void
+VOLATILE PARALLEL UNSAFE LANGUAGE c AS 'MODULE_PATHNAME', 'detach_wrapper';
+CREATE FUNCTION dedup.attached_insert() RETURNS TRIGGER LANGUAGE c AS 'MODULE_PATHNAME', 'attached_insert_wrapper';
+CREATE FUNCTION dedup.watch_drop() RETURNS event_trigger LANGUAGE c AS 'MODULE_PATHNAME', 'watch_drop_wrapper';
+REVOKE ALL ON FUNCTION dedup.advance(text, bigint, text, interval), dedup."position"(text, text),
+    dedup.attach(regclass, text, interval, text, text), dedup.detach(regclass), dedup.attached_insert(),
+    dedup.watch_drop() FROM PUBLIC;
+CREATE EVENT TRIGGER dedup_watch_drop ON sql_drop EXECUTE FUNCTION dedup.watch_drop();
+ALTER EVENT TRIGGER dedup_watch_drop ENABLE ALWAYS;

@@ -5,7 +5,7 @@
 
 use crate::errors::raise;
 use crate::inbox::{self, Access};
-use crate::{claim, input, purge};
+use crate::{claim, input, positions, purge};
 use pgrx::prelude::*;
 
 /// Records `id` in `inbox` for `ttl` (NULL: the inbox's default) inside the current transaction. True the first
@@ -77,6 +77,38 @@ fn forget(id: Option<&str>, inbox: default!(Option<&str>, "'default'")) -> bool 
     claim::forget(&inbox, id)
 }
 
+/// Stores `position` as the position of `key` in `inbox` if it is beyond the stored one (or the key has none live):
+/// true then; false for a stale or repeated position, which changes nothing. The position lives `ttl` (NULL: the
+/// inbox's default) after this advance.
+#[pg_extern(volatile, parallel_unsafe)]
+fn advance(
+    key: Option<&str>,
+    position: Option<i64>,
+    inbox: default!(Option<&str>, "'default'"),
+    ttl: default!(Option<Interval>, "NULL"),
+) -> bool {
+    input::require_writable("advance");
+    let key = input::key(key);
+    let position = position.unwrap_or_else(|| {
+        raise(
+            PgSqlErrorCode::ERRCODE_NULL_VALUE_NOT_ALLOWED,
+            "position must not be NULL",
+            "Pass the event's position in its key's stream (a version or sequence number).",
+        )
+    });
+    let ttl = ttl.map(input::ttl);
+    let inbox = inbox::open(input::inbox_name(inbox), Access::Mark);
+    positions::advance(&inbox, key, position, ttl)
+}
+
+/// The live position of `key` in `inbox`; NULL when it has none (never advanced, or expired).
+#[pg_extern(stable, parallel_restricted)]
+fn position(key: Option<&str>, inbox: default!(Option<&str>, "'default'")) -> Option<i64> {
+    let key = input::key(key);
+    let inbox = inbox::open(input::inbox_name(inbox), Access::Read);
+    positions::position(&inbox, key)
+}
+
 /// Creates an inbox: an independent namespace of marks (one per consumer of the same events).
 #[pg_extern(volatile, parallel_unsafe)]
 fn create_inbox(name: Option<&str>, default_ttl: default!(Option<Interval>, "'3 days'")) {
@@ -100,8 +132,8 @@ fn drop_inbox(name: Option<&str>) {
     inbox::drop(input::inbox_name(name));
 }
 
-/// Deletes expired marks now, in `inbox` or in every inbox (NULL), at most `max_rows` of them (NULL: all).
-/// Returns how many were deleted. Works without the background worker, e.g. from cron or pg_cron.
+/// Deletes expired marks (and expired positions of `advance()`) now, in `inbox` or in every inbox (NULL), at most
+/// `max_rows` of them (NULL: all). Returns how many were deleted. Works without the background worker, e.g. from cron or pg_cron.
 #[pg_extern(volatile, parallel_unsafe)]
 fn purge(inbox: default!(Option<&str>, "NULL"), max_rows: default!(Option<i64>, "NULL")) -> i64 {
     input::require_writable("purge");

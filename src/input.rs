@@ -35,21 +35,32 @@ pub const MAX_INBOX_NAME: usize = 48;
 const MAX_TTL_DAYS: i64 = 3660;
 
 pub fn id(id: Option<&str>) -> &str {
-    match id {
-        None => raise(
-            PgSqlErrorCode::ERRCODE_NULL_VALUE_NOT_ALLOWED,
-            "id must not be NULL",
-            "Pass the message's stable unique id (for example the event id the producer assigned).",
-        ),
-        Some("") => raise(
-            PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE,
-            "id must not be empty",
-            "Pass the message's stable unique id (for example the event id the producer assigned).",
-        ),
+    key_like("id", id, "Pass the message's stable unique id (for example the event id the producer assigned).")
+}
+
+/// A key of `advance()` / `position()`: the same rules as an id.
+pub fn key(key: Option<&str>) -> &str {
+    key_like("key", key, "Pass the stream's key (for example the aggregate's id) whose position the event carries.")
+}
+
+/// The key an attached table's key expression gave for a row (None: NULL): the same rules as an id.
+pub fn key_of_row<'a>(key: Option<&'a str>, table: &str) -> &'a str {
+    key_like(
+        &format!("the key of a row inserted into {table}"),
+        key,
+        "Every row needs a key: fix the row, or the table's key expression (dedup.attachments) with dedup.attach().",
+    )
+}
+
+/// An id or key: not NULL, not empty, at most `MAX_ID_BYTES`.
+fn key_like<'a>(what: &str, value: Option<&'a str>, hint: &str) -> &'a str {
+    match value {
+        None => raise(PgSqlErrorCode::ERRCODE_NULL_VALUE_NOT_ALLOWED, format!("{what} must not be NULL"), hint),
+        Some("") => raise(PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE, format!("{what} must not be empty"), hint),
         Some(s) if s.len() > MAX_ID_BYTES => raise(
             PgSqlErrorCode::ERRCODE_PROGRAM_LIMIT_EXCEEDED,
-            format!("id is {} bytes long; the limit is {MAX_ID_BYTES} bytes", s.len()),
-            "Use a shorter id, for example a hash of the message's natural key.",
+            format!("{what} is {} bytes long; the limit is {MAX_ID_BYTES} bytes", s.len()),
+            "Use a shorter one, for example a hash of the message's natural key.",
         ),
         Some(s) => s,
     }

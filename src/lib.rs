@@ -5,6 +5,8 @@
 //! - `claim`   — the claim algorithm: ask the filter, insert, wait for concurrent claims, renew expired marks
 //! - `idempotency` — idempotency keys: claim(), complete(), release(), fingerprint()
 //! - `jsonb`   — a jsonb value passed through without parsing (stored results)
+//! - `attach`  — attach(): deduplicating a table's inserts (INSERT, COPY, replication) by a key over its rows
+//! - `positions` — advance() and position(): per-key positions of ordered streams
 //! - `direct`  — inbox rows read and written without the executor: certainly-new ids, one id's row, completions
 //! - `inbox`   — inbox tables: their statements, the registry, and the per-backend cache
 //! - `filter`  — the shared-memory Bloom filter in front of the indexes (preloaded only)
@@ -25,6 +27,7 @@
 //! - `sql/`    — the hand-written SQL objects (row type, registry, default inbox, views, privileges)
 
 mod api;
+mod attach;
 mod catalog;
 mod claim;
 mod clock;
@@ -36,6 +39,7 @@ mod idempotency;
 mod inbox;
 mod input;
 mod jsonb;
+mod positions;
 mod ports;
 mod purge;
 mod rebuild;

@@ -229,3 +229,29 @@ mod tests {
         run("SELECT pg_sleep(0.1)");
     }
 }
+
+/// `raw_parser` of a string of SQL statements (14 added a parse mode; the default one parses statements).
+///
+/// # Safety
+/// `sql` must be a NUL-terminated string; the parse tree is allocated in the current memory context.
+pub unsafe fn raw_parser(sql: *const std::ffi::c_char) -> *mut pg_sys::List {
+    // SAFETY: the caller vouches for the string.
+    unsafe {
+        #[cfg(feature = "pg13")]
+        return pg_sys::raw_parser(sql);
+        #[cfg(not(feature = "pg13"))]
+        return pg_sys::raw_parser(sql, pg_sys::RawParseMode::RAW_PARSE_DEFAULT);
+    }
+}
+
+/// Does `role` own relation `relid` (or act for its owner, or is it a superuser)? (`pg_class_ownercheck`, which 16
+/// generalised into `object_ownercheck`.)
+pub fn owns_relation(role: pg_sys::Oid, relid: pg_sys::Oid) -> bool {
+    // SAFETY: a catalog lookup by oids; raises a clean ERROR for a relation that is gone.
+    unsafe {
+        #[cfg(any(feature = "pg13", feature = "pg14", feature = "pg15"))]
+        return pg_sys::pg_class_ownercheck(relid, role);
+        #[cfg(not(any(feature = "pg13", feature = "pg14", feature = "pg15")))]
+        return pg_sys::object_ownercheck(pg_sys::RelationRelationId, relid, role);
+    }
+}

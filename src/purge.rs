@@ -11,7 +11,7 @@ use crate::errors::server_log;
 use crate::inbox::{self, Access, Inbox, Stmt};
 use crate::shmem::{Counter, WorkerSlot};
 use crate::xact::{self, in_transaction, try_transaction};
-use crate::{guc, ports, rights};
+use crate::{guc, ports, positions, rights};
 use pgrx::bgworkers::BackgroundWorker;
 use pgrx::prelude::*;
 use std::ffi::CStr;
@@ -62,19 +62,25 @@ fn purge_batch_in_place(inbox: &Inbox, now: TimestampWithTimeZone, limit: i64) -
     xact::has_room().then(quick).flatten().unwrap_or_else(|| purge_batch(inbox, now, limit, HeldRows::Skip))
 }
 
-/// Deletes up to `limit` expired marks of `inbox` (all of them when `None`), batch after batch, in the current
-/// transaction. Returns how many were deleted.
+/// Deletes up to `limit` expired marks of `inbox` (all of them when `None`), then as many of its expired positions
+/// (`advance()`), batch after batch, in the current transaction. Returns how many were deleted.
 pub fn purge_inbox(inbox: &Inbox, limit: Option<i64>) -> i64 {
     let now = statement_now();
+    let marks = in_batches(limit, |want| purge_batch_in_place(inbox, now, want));
+    marks + in_batches(limit.map(|l| l - marks), |want| positions::purge_batch(inbox, now, want))
+}
+
+/// Runs `batch(want)` until it deletes fewer than asked or `limit` is reached; returns the total.
+fn in_batches(limit: Option<i64>, mut batch: impl FnMut(i64) -> i64) -> i64 {
     let mut deleted = 0;
     loop {
         let want = limit.map_or(BATCH_SIZE, |l| (l - deleted).min(BATCH_SIZE));
         if want <= 0 {
             return deleted;
         }
-        let batch = purge_batch_in_place(inbox, now, want);
-        deleted += batch;
-        if batch < want {
+        let done = batch(want);
+        deleted += done;
+        if done < want {
             return deleted;
         }
     }
@@ -133,10 +139,29 @@ pub fn purge_cycle(slot: &WorkerSlot, keep_going: impl Fn() -> bool) {
             }
         }
         record_backlog(name, capped);
+        purge_positions(name, &keep_going);
     }
     slot.cycles.fetch_add(1, Ordering::Relaxed);
     slot.last_cycle_micros.store(started.elapsed().as_micros() as i64, Ordering::Relaxed);
     slot.last_cycle_rows.store(total, Ordering::Relaxed);
+}
+
+/// The expired positions (`advance()`) of inbox `name`, batch after batch, each in a transaction of its own. They
+/// belong to the extension's owner, whose rights `positions` takes (the worker is no table owner here).
+fn purge_positions(name: &str, keep_going: &impl Fn() -> bool) {
+    let limit = guc::PURGE_BATCH_SIZE.get() as i64;
+    while keep_going() {
+        let batch = || {
+            with_batch_timeout(|| {
+                let inbox = inbox::open(name, Access::Delete);
+                positions::purge_batch(&inbox, statement_now(), limit)
+            })
+        };
+        match in_transaction(&format!("purging the positions of inbox \"{name}\""), batch) {
+            Some(deleted) if deleted == limit => {}
+            _ => return,
+        }
+    }
 }
 
 /// Runs one batch of the worker under `dedup.purge_batch_timeout`: past it, the batch is cancelled like a statement

@@ -45,6 +45,12 @@ counters! {
     ClaimsInProgress,
     FingerprintMismatches,
     LeaseTakeovers,
+    // advance(): positions moved forward, and stale or repeated positions refused.
+    Advances,
+    StaleAdvances,
+    // Tables attached with attach(): rows let through, and rows dropped as duplicates.
+    RowsPassed,
+    RowsDropped,
 }
 
 #[repr(C)]

@@ -46,6 +46,10 @@ type CounterRow = (
     Option<i64>,
     Option<i64>,
     Option<i64>,
+    Option<i64>,
+    Option<i64>,
+    Option<i64>,
+    Option<i64>,
 );
 
 /// Every inbox of this database with its counters.
@@ -73,10 +77,15 @@ fn counter_rows() -> Vec<CounterRow> {
                     f.get(Counter::ClaimsInProgress),
                     f.get(Counter::FingerprintMismatches),
                     f.get(Counter::LeaseTakeovers),
+                    f.get(Counter::Advances),
+                    f.get(Counter::StaleAdvances),
+                    f.get(Counter::RowsPassed),
+                    f.get(Counter::RowsDropped),
                 ),
-                None => {
-                    (name, None, None, None, None, None, None, None, None, false, trigger, None, None, None, None, None)
-                }
+                None => (
+                    name, None, None, None, None, None, None, None, None, false, trigger, None, None, None, None, None,
+                    None, None, None, None,
+                ),
             }
         })
         .collect()
@@ -104,6 +113,10 @@ fn inbox_counters() -> TableIterator<
         name!(claims_in_progress, Option<i64>),
         name!(fingerprint_mismatches, Option<i64>),
         name!(lease_takeovers, Option<i64>),
+        name!(advances, Option<i64>),
+        name!(stale_advances, Option<i64>),
+        name!(rows_passed, Option<i64>),
+        name!(rows_dropped, Option<i64>),
     ),
 > {
     TableIterator::new(counter_rows())

@@ -200,6 +200,14 @@ pub fn drop(name: &str) {
                     "Ask the extension's owner or a superuser to drop it.",
                 )
             }
+            let attached = crate::attach::tables_using(client, name);
+            if !attached.is_empty() {
+                raise(
+                    PgSqlErrorCode::ERRCODE_DEPENDENT_OBJECTS_STILL_EXIST,
+                    format!("inbox \"{name}\" holds the keys of attached tables: {}", attached.join(", ")),
+                    "Detach them first with dedup.detach(), or attach them to another inbox.",
+                )
+            }
             if relid != pg_sys::InvalidOid {
                 let table = qualified(name);
                 let administers = client
@@ -227,6 +235,9 @@ pub fn drop(name: &str) {
             client
                 .update("DELETE FROM dedup.inbox_registry WHERE name OPERATOR(pg_catalog.=) $1", None, &[name.into()])
                 .unwrap_or_else(|e| internal("unregistering the inbox", e));
+            client
+                .update(crate::positions::DROP_INBOX_SQL, None, &[name.into()])
+                .unwrap_or_else(|e| internal("deleting the inbox's positions", e));
         })
     });
 }

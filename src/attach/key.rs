@@ -1,0 +1,211 @@
+//! The key expression of an attachment: SQL text over the attached table's columns (`'event_id'`,
+//! `'source || '':'' || event_id'`, `'dedup.fingerprint(payload)'`), analysed against a table and compiled once per
+//! backend, then evaluated for every inserted row.
+//!
+//! It is analysed as an index expression is (no subqueries, aggregates, window or set-returning functions), must be
+//! of a string type (text, varchar, char, name: anything else needs an explicit cast, so no key is a surprise
+//! rendering of a number or a date) and must not be volatile (a key that changes between two deliveries of the same
+//! row would dedup nothing). Columns are found by name in the table it is compiled for, so a partition whose columns
+//! are numbered differently from its parent's gets the right ones.
+
+use crate::errors::raise;
+use crate::{input, ports, xact};
+use pgrx::prelude::*;
+use std::ffi::CString;
+
+/// A key expression compiled for one table, with the memory it lives in.
+pub struct Key {
+    context: pg_sys::MemoryContext,
+    state: *mut pg_sys::ExprState,
+    econtext: *mut pg_sys::ExprContext,
+}
+
+impl Drop for Key {
+    fn drop(&mut self) {
+        // SAFETY: the context holds the expression state and its expression context, used by no one any more.
+        unsafe {
+            pg_sys::FreeExprContext(self.econtext, false);
+            pg_sys::MemoryContextDelete(self.context);
+        }
+    }
+}
+
+/// Analyses `text` as a key expression over the columns of `rel`: an expression of type text. Raises a `dedup:`
+/// error naming the problem, with PostgreSQL's own SQLSTATE where the parser found it.
+///
+/// # Safety
+/// `rel` must be an open relation; the expression is allocated in the current memory context.
+unsafe fn analyse(rel: pg_sys::Relation, text: &str) -> *mut pg_sys::Node {
+    let invalid = |code: PgSqlErrorCode, why: &str| -> ! {
+        raise(
+            code,
+            format!("key {} is not a valid key expression: {why}", quote(text)),
+            "Pass one SQL expression over the table's columns, e.g. 'event_id' or 'source || '':'' || event_id'.",
+        )
+    };
+    let sql = CString::new(format!("SELECT {text}"))
+        .unwrap_or_else(|_| invalid(PgSqlErrorCode::ERRCODE_SYNTAX_ERROR, "it contains a NUL byte"));
+    // What the parser and analyser raise (a syntax error, an unknown column, a subquery) comes back as ours, with
+    // its SQLSTATE.
+    let analysed = xact::subtransaction(|| {
+        // SAFETY: parses and analyses a NUL-terminated string against the caller's open relation.
+        unsafe {
+            let statements = ports::raw_parser(sql.as_ptr());
+            let raw = single_expression(statements)?;
+            let pstate = pg_sys::make_parsestate(std::ptr::null_mut());
+            (*pstate).p_sourcetext = sql.as_ptr();
+            let nsitem = pg_sys::addRangeTableEntryForRelation(
+                pstate,
+                rel,
+                pg_sys::AccessShareLock as i32,
+                std::ptr::null_mut(),
+                false,
+                false,
+            );
+            pg_sys::addNSItemToQuery(pstate, nsitem, false, true, true);
+            let expr = pg_sys::transformExpr(pstate, raw, pg_sys::ParseExprKind::EXPR_KIND_INDEX_EXPRESSION);
+            let type_oid = pg_sys::exprType(expr);
+            let (mut category, mut preferred) = (0 as std::ffi::c_char, false);
+            pg_sys::get_type_category_preferred(type_oid, &mut category, &mut preferred);
+            if category as u8 != pg_sys::TYPCATEGORY_STRING {
+                let name = std::ffi::CStr::from_ptr(pg_sys::format_type_be(type_oid)).to_string_lossy().into_owned();
+                return Err(format!("it is of type {name}, not text (cast it, e.g. event_id::text)"));
+            }
+            let expr = pg_sys::coerce_to_target_type(
+                pstate,
+                expr,
+                type_oid,
+                pg_sys::TEXTOID,
+                -1,
+                pg_sys::CoercionContext::COERCION_ASSIGNMENT,
+                pg_sys::CoercionForm::COERCE_IMPLICIT_CAST,
+                -1,
+            );
+            pg_sys::assign_expr_collations(pstate, expr);
+            pg_sys::free_parsestate(pstate);
+            if pg_sys::contain_volatile_functions(expr) {
+                return Err("it calls a volatile function (the same row must always give the same key)".into());
+            }
+            Ok(expr)
+        }
+    });
+    match analysed {
+        Ok(Ok(expr)) => expr,
+        Ok(Err(why)) => invalid(PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE, &why),
+        Err(error) => {
+            let report = xact::report_of(&error);
+            invalid(report.sql_error_code(), report.message())
+        }
+    }
+}
+
+/// The one expression of `SELECT <expression>`, or why the text was more than that.
+///
+/// # Safety
+/// `statements` must be what `raw_parser` returned.
+unsafe fn single_expression(statements: *mut pg_sys::List) -> Result<*mut pg_sys::Node, String> {
+    // SAFETY: walks the raw parse tree the caller vouches for.
+    unsafe {
+        let [raw] = pointers(statements)[..] else {
+            return Err("it is more than one expression".into());
+        };
+        let select = (*(raw as *mut pg_sys::RawStmt)).stmt as *mut pg_sys::SelectStmt;
+        let plain = (*select).type_ == pg_sys::NodeTag::T_SelectStmt
+            && (*select).fromClause.is_null()
+            && (*select).whereClause.is_null()
+            && (*select).groupClause.is_null()
+            && (*select).havingClause.is_null()
+            && (*select).windowClause.is_null()
+            && (*select).distinctClause.is_null()
+            && (*select).sortClause.is_null()
+            && (*select).limitCount.is_null()
+            && (*select).limitOffset.is_null()
+            && (*select).lockingClause.is_null()
+            && (*select).withClause.is_null()
+            && (*select).intoClause.is_null()
+            && (*select).valuesLists.is_null()
+            && (*select).op == pg_sys::SetOperation::SETOP_NONE;
+        match pointers((*select).targetList)[..] {
+            [target] if plain => Ok((*(target as *mut pg_sys::ResTarget)).val),
+            _ => Err("it is not a single expression".into()),
+        }
+    }
+}
+
+/// The elements of a list of pointers (NIL: none).
+///
+/// # Safety
+/// `list` must be NIL or a valid list of pointers.
+unsafe fn pointers(list: *mut pg_sys::List) -> Vec<*mut std::ffi::c_void> {
+    if list.is_null() {
+        return Vec::new();
+    }
+    // SAFETY: a list's elements are `length` cells; these hold pointers.
+    unsafe {
+        std::slice::from_raw_parts((*list).elements, (*list).length as usize).iter().map(|c| c.ptr_value).collect()
+    }
+}
+
+/// `text` quoted as an SQL literal, for messages.
+fn quote(text: &str) -> String {
+    format!("'{}'", text.replace('\'', "''"))
+}
+
+/// Checks that `text` is a valid key expression for table `rel` (at `attach()`).
+///
+/// # Safety
+/// `rel` must be an open relation.
+pub unsafe fn validate(rel: pg_sys::Relation, text: &str) {
+    // SAFETY: the caller vouches for the relation; the analysed tree is left to the caller's memory context.
+    unsafe { analyse(rel, text) };
+}
+
+impl Key {
+    /// Compiles `text` for table `rel`, in memory of its own under `parent`.
+    ///
+    /// # Safety
+    /// `rel` must be an open relation.
+    pub unsafe fn compile(rel: pg_sys::Relation, text: &str, parent: pg_sys::MemoryContext) -> Key {
+        // SAFETY: everything is allocated in the new context, which the Key owns; the caller's context comes back.
+        unsafe {
+            let context = pg_sys::AllocSetContextCreateExtended(
+                parent,
+                c"dedup attachment key".as_ptr(),
+                pg_sys::ALLOCSET_SMALL_MINSIZE as usize,
+                pg_sys::ALLOCSET_SMALL_INITSIZE as usize,
+                pg_sys::ALLOCSET_SMALL_MAXSIZE as usize,
+            );
+            let caller = pg_sys::MemoryContextSwitchTo(context);
+            let expr = pg_sys::expression_planner(analyse(rel, text) as *mut pg_sys::Expr);
+            let state = pg_sys::ExecInitExpr(expr, std::ptr::null_mut());
+            let econtext = pg_sys::CreateStandaloneExprContext();
+            pg_sys::MemoryContextSwitchTo(caller);
+            Key { context, state, econtext }
+        }
+    }
+
+    /// The key of the row in `slot`, validated like an id, passed to `f` (it lives until `f` returns).
+    ///
+    /// # Safety
+    /// `slot` must hold a row of the table the key was compiled for.
+    pub unsafe fn eval<R>(&self, slot: *mut pg_sys::TupleTableSlot, table: &str, f: impl FnOnce(&str) -> R) -> R {
+        // SAFETY: evaluates the compiled expression over the row, in the expression context's per-row memory,
+        // which is reset once `f` is done with the value.
+        unsafe {
+            (*self.econtext).ecxt_scantuple = slot;
+            let per_row = (*self.econtext).ecxt_per_tuple_memory;
+            let caller = pg_sys::MemoryContextSwitchTo(per_row);
+            let mut null = false;
+            let evalfunc = (*self.state).evalfunc.expect("a compiled expression has an evaluation function");
+            let datum = evalfunc(self.state, self.econtext, &mut null);
+            pg_sys::MemoryContextSwitchTo(caller);
+            let key = (!null).then(|| {
+                let text = pg_sys::pg_detoast_datum_packed(datum.cast_mut_ptr());
+                pgrx::varlena::text_to_rust_str_unchecked(text)
+            });
+            let result = f(input::key_of_row(key, table));
+            pg_sys::MemoryContextReset(per_row);
+            result
+        }
+    }
+}

@@ -1,0 +1,442 @@
+//! `dedup.attach()` (docs/ingest.md): deduplicating every row inserted into a table — INSERT, multi-row VALUES,
+//! INSERT ... SELECT, COPY FROM, logical replication's apply — by a key computed from the row, marked in an inbox in
+//! the inserting transaction. A duplicate row is dropped (`on_duplicate => 'skip'`: the statement goes on without
+//! it) or refused (`'error'`).
+//!
+//! How: a BEFORE INSERT row trigger, `zz_dedup_attached` (`row_trigger`), enabled ALWAYS so that it also fires
+//! under `session_replication_role = replica` (logical replication, some restores). Its name sorts after the
+//! usual names of triggers, and BEFORE triggers fire in name order: the key is computed from the row as the other
+//! BEFORE triggers left it, and a trigger that drops the row fires before ours has marked anything. On a
+//! partitioned table the trigger is cloned onto every partition, present and future.
+//!
+//! Attachments are rows of `dedup.attachment_registry`, written only by the extension's owner: `attach()` and
+//! `detach()` check their caller (the table's owner, who must also be allowed to mark in the inbox) and then act
+//! as that owner. The trigger finds its attachment by table, never by its arguments, so a trigger someone creates
+//! by hand with our function cannot point it at another inbox; and it marks with the rights of the role inserting
+//! the row, who needs what `mark()` needs on the inbox's table. `DROP TABLE` removes the attachment
+//! (`watch_drop`, an event trigger); `drop_inbox()` refuses an inbox that attached tables use.
+
+mod key;
+mod row_trigger;
+
+use crate::errors::{internal, raise};
+use crate::inbox::{self, Access};
+use crate::{input, ports, rights};
+use pgrx::prelude::*;
+
+/// The trigger's name (see the module comment for why it sorts last).
+pub const TRIGGER: &str = "zz_dedup_attached";
+
+/// What happens to a row whose key was already marked.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum OnDuplicate {
+    Skip,
+    Error,
+}
+
+impl OnDuplicate {
+    fn parse(value: Option<&str>) -> OnDuplicate {
+        match value {
+            Some("skip") => OnDuplicate::Skip,
+            Some("error") => OnDuplicate::Error,
+            other => raise(
+                PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE,
+                format!("on_duplicate must be 'skip' or 'error', got {}", other.map_or("NULL".into(), |v| format!("'{v}'"))),
+                "'skip' drops a duplicate row and goes on; 'error' raises an error naming its key.",
+            ),
+        }
+    }
+
+    fn label(self) -> &'static str {
+        match self {
+            OnDuplicate::Skip => "skip",
+            OnDuplicate::Error => "error",
+        }
+    }
+}
+
+/// The schema-qualified, quoted name of relation `relid` (None if it is gone).
+fn qualified_name(relid: pg_sys::Oid) -> Option<String> {
+    // SAFETY: catalog lookups by oid; each returns a palloc'd copy or NULL when the relation is gone.
+    unsafe {
+        let name = pg_sys::get_rel_name(relid);
+        let schema = pg_sys::get_namespace_name(pg_sys::get_rel_namespace(relid));
+        (!name.is_null() && !schema.is_null()).then(|| {
+            pgrx::spi::quote_qualified_identifier(
+                std::ffi::CStr::from_ptr(schema).to_string_lossy(),
+                std::ffi::CStr::from_ptr(name).to_string_lossy(),
+            )
+        })
+    }
+}
+
+/// Opens table `tbl` for attach() or detach(), locked as CREATE TRIGGER locks it, after checking that it is a table
+/// (or a partitioned one) that is not pg_dedup's own, and that the caller owns it. Returns it with its name.
+fn open_table(function: &str, tbl: Option<pg_sys::Oid>) -> (pg_sys::Relation, String) {
+    let relid = tbl.unwrap_or_else(|| {
+        raise(
+            PgSqlErrorCode::ERRCODE_NULL_VALUE_NOT_ALLOWED,
+            "tbl must not be NULL",
+            format!("Pass the table, e.g. dedup.{function}('public.events')."),
+        )
+    });
+    // SAFETY: opens (and locks, until the transaction ends) a relation by oid; raises a clean ERROR if it is gone.
+    let rel = unsafe { pg_sys::relation_open(relid, pg_sys::ShareRowExclusiveLock as pg_sys::LOCKMODE) };
+    let name = qualified_name(relid).unwrap_or_else(|| internal("naming the table", "it has no name"));
+    // SAFETY: reads the open relation's pg_class row.
+    let (kind, namespace) = unsafe { ((*(*rel).rd_rel).relkind as u8, (*(*rel).rd_rel).relnamespace) };
+    if kind != pg_sys::RELKIND_RELATION && kind != pg_sys::RELKIND_PARTITIONED_TABLE {
+        let what = match kind {
+            pg_sys::RELKIND_VIEW => "a view",
+            pg_sys::RELKIND_FOREIGN_TABLE => "a foreign table",
+            pg_sys::RELKIND_MATVIEW => "a materialized view",
+            _ => "not a table",
+        };
+        raise(
+            PgSqlErrorCode::ERRCODE_WRONG_OBJECT_TYPE,
+            format!("{name} is {what}; {function}() works on tables and partitioned tables"),
+            "Attach the table the rows are inserted into (for a partitioned table, its parent).",
+        )
+    }
+    // SAFETY: a schema lookup by name; missing_ok = false raises a clean ERROR.
+    if namespace == unsafe { pg_sys::get_namespace_oid(c"dedup".as_ptr(), false) } {
+        raise(
+            PgSqlErrorCode::ERRCODE_WRONG_OBJECT_TYPE,
+            format!("{name} is one of pg_dedup's own tables"),
+            "Attach the tables your rows are inserted into; inbox tables are deduplicated by their primary key.",
+        )
+    }
+    if !ports::owns_relation(rights::caller(), relid) {
+        raise(
+            PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
+            format!("must be owner of table {name} to {function}() it"),
+            "Ask the table's owner (or a superuser) to do it.",
+        )
+    }
+    (rel, name)
+}
+
+/// Deduplicates the rows inserted into `tbl` by `key`, an SQL expression over its columns, marked in `inbox` for
+/// `ttl` (NULL: the inbox's default). A duplicate row is dropped (`'skip'`) or refused (`'error'`). Attaching an
+/// attached table again replaces its attachment.
+#[pg_extern(
+    volatile,
+    parallel_unsafe,
+    sql = "
+    CREATE FUNCTION dedup.attach(tbl regclass, key text, ttl interval DEFAULT NULL, inbox text DEFAULT 'default',
+                                 on_duplicate text DEFAULT 'skip') RETURNS void
+    VOLATILE PARALLEL UNSAFE LANGUAGE c AS 'MODULE_PATHNAME', 'attach_wrapper';
+"
+)]
+fn attach(
+    tbl: Option<pg_sys::Oid>,
+    key: Option<&str>,
+    ttl: Option<Interval>,
+    inbox: Option<&str>,
+    on_duplicate: Option<&str>,
+) {
+    input::require_writable("attach");
+    let key = key.unwrap_or_else(|| {
+        raise(
+            PgSqlErrorCode::ERRCODE_NULL_VALUE_NOT_ALLOWED,
+            "key must not be NULL",
+            "Pass an SQL expression over the table's columns, e.g. 'event_id'.",
+        )
+    });
+    let ttl = ttl.map(input::ttl);
+    let inbox_name = input::inbox_name(inbox);
+    let on_duplicate = OnDuplicate::parse(on_duplicate);
+    let (rel, table) = open_table("attach", tbl);
+    // The caller must be allowed to mark in the inbox, as the rows' inserters will have to be.
+    inbox::open(inbox_name, Access::Mark);
+    // SAFETY: the relation is open and locked.
+    unsafe {
+        key::validate(rel, key);
+        pg_sys::relation_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
+    }
+    let relid = tbl.expect("checked by open_table");
+    rights::as_extension_owner("attach", || {
+        Spi::connect_mut(|client| {
+            let related: Option<String> = client
+                .select(
+                    "SELECT a.tbl::pg_catalog.text FROM dedup.attachment_registry a \
+                      WHERE a.tbl OPERATOR(pg_catalog.<>) $1 \
+                        AND (a.tbl IN (SELECT relid FROM pg_catalog.pg_partition_ancestors($1)) \
+                             OR a.tbl IN (SELECT relid FROM pg_catalog.pg_partition_tree($1))) LIMIT 1",
+                    None,
+                    &[relid.into()],
+                )
+                .unwrap_or_else(|e| internal("reading dedup.attachment_registry", e))
+                .first()
+                .get_one()
+                .unwrap_or_default();
+            if let Some(related) = related {
+                raise(
+                    PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
+                    format!("{table} is a partition or a parent of {related}, which is attached already"),
+                    "Attach only the partitioned table at the top: its partitions are covered. Detach the other first.",
+                )
+            }
+            let args = [relid.into(), key.into(), inbox_name.into(), ttl.into(), on_duplicate.label().into()];
+            client
+                .update(
+                    "INSERT INTO dedup.attachment_registry (tbl, key, inbox, ttl, on_duplicate) \
+                     VALUES ($1, $2, $3, $4, $5) ON CONFLICT (tbl) DO UPDATE SET key = excluded.key, \
+                     inbox = excluded.inbox, ttl = excluded.ttl, on_duplicate = excluded.on_duplicate",
+                    None,
+                    &args,
+                )
+                .unwrap_or_else(|e| internal("registering the attachment", e));
+            // Re-created even when it exists: every backend's compiled key for the table goes with the relcache
+            // invalidation this causes (also on each partition, whose clone is re-created too).
+            let ddl = format!(
+                "DROP TRIGGER IF EXISTS {TRIGGER} ON {table}; \
+                 CREATE TRIGGER {TRIGGER} BEFORE INSERT ON {table} FOR EACH ROW EXECUTE FUNCTION dedup.attached_insert(); \
+                 ALTER TABLE {table} ENABLE ALWAYS TRIGGER {TRIGGER}"
+            );
+            client.update(&ddl, None, &[]).unwrap_or_else(|e| internal("creating the attachment's trigger", e));
+        })
+    });
+}
+
+/// Stops deduplicating the inserts of `tbl`: its trigger and its attachment go (the marks stay in the inbox).
+#[pg_extern(
+    volatile,
+    parallel_unsafe,
+    sql = "
+    CREATE FUNCTION dedup.detach(tbl regclass) RETURNS void
+    VOLATILE PARALLEL UNSAFE LANGUAGE c AS 'MODULE_PATHNAME', 'detach_wrapper';
+"
+)]
+fn detach(tbl: Option<pg_sys::Oid>) {
+    input::require_writable("detach");
+    let (rel, table) = open_table("detach", tbl);
+    // SAFETY: closes what open_table opened, keeping the lock.
+    unsafe { pg_sys::relation_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE) };
+    let relid = tbl.expect("checked by open_table");
+    rights::as_extension_owner("detach", || {
+        Spi::connect_mut(|client| {
+            let removed = client
+                .update(
+                    "DELETE FROM dedup.attachment_registry WHERE tbl OPERATOR(pg_catalog.=) $1 RETURNING true",
+                    None,
+                    &[relid.into()],
+                )
+                .unwrap_or_else(|e| internal("removing the attachment", e))
+                .len();
+            if removed == 0 {
+                raise(
+                    PgSqlErrorCode::ERRCODE_UNDEFINED_OBJECT,
+                    format!("{table} is not attached"),
+                    "dedup.attachments lists the attached tables.",
+                )
+            }
+            client
+                .update(&format!("DROP TRIGGER IF EXISTS {TRIGGER} ON {table}"), None, &[])
+                .unwrap_or_else(|e| internal("dropping the attachment's trigger", e));
+        })
+    });
+}
+
+/// The event trigger `dedup_watch_drop` (sql_drop): the attachment of a dropped table goes with it.
+#[pg_extern(sql = "
+    CREATE FUNCTION dedup.watch_drop() RETURNS event_trigger LANGUAGE c
+    AS 'MODULE_PATHNAME', 'watch_drop_wrapper';
+")]
+fn watch_drop(_fcinfo: pg_sys::FunctionCallInfo) {
+    let dropped: Vec<pg_sys::Oid> = Spi::connect(|client| {
+        client
+            .select(
+                "SELECT objid FROM pg_catalog.pg_event_trigger_dropped_objects() \
+                  WHERE classid OPERATOR(pg_catalog.=) 'pg_catalog.pg_class'::pg_catalog.regclass \
+                    AND objsubid OPERATOR(pg_catalog.=) 0",
+                None,
+                &[],
+            )
+            .unwrap_or_else(|e| internal("listing dropped objects", e))
+            .filter_map(|row| row.get::<pg_sys::Oid>(1).ok().flatten())
+            .collect()
+    });
+    // DROP EXTENSION pg_dedup (or DROP SCHEMA dedup CASCADE) drops the registry itself: nothing left to clean.
+    // SAFETY: catalog lookups by name; missing_ok = true gives InvalidOid for a schema that is gone.
+    let registry = unsafe {
+        let schema = pg_sys::get_namespace_oid(c"dedup".as_ptr(), true);
+        pg_sys::get_relname_relid(c"attachment_registry".as_ptr(), schema)
+    };
+    if dropped.is_empty() || registry == pg_sys::InvalidOid || dropped.contains(&registry) {
+        return;
+    }
+    rights::as_extension_owner("DROP", || {
+        Spi::connect_mut(|client| {
+            client
+                .update(
+                    "DELETE FROM dedup.attachment_registry WHERE tbl::pg_catalog.oid OPERATOR(pg_catalog.=) ANY ($1)",
+                    None,
+                    &[dropped.into()],
+                )
+                .unwrap_or_else(|e| internal("removing the attachments of dropped tables", e));
+        })
+    });
+}
+
+/// The tables attached to inbox `name` (for `drop_inbox()`, which runs as the extension's owner).
+pub fn tables_using(client: &pgrx::spi::SpiClient<'_>, name: &str) -> Vec<String> {
+    client
+        .select(
+            "SELECT tbl::pg_catalog.text FROM dedup.attachment_registry WHERE inbox OPERATOR(pg_catalog.=) $1 ORDER BY 1",
+            None,
+            &[name.into()],
+        )
+        .unwrap_or_else(|e| internal("reading dedup.attachment_registry", e))
+        .filter_map(|row| row.get::<String>(1).ok().flatten())
+        .collect()
+}
+
+#[cfg(any(test, feature = "pg_test"))]
+#[pg_schema]
+mod tests {
+    use crate::testing::*;
+    use pgrx::prelude::*;
+
+    fn events(name: &str) {
+        run(&format!("CREATE TABLE {name} (event_id text, source text, n int, payload jsonb)"));
+    }
+
+    #[pg_test]
+    fn attach_drops_duplicate_rows_of_every_insert() {
+        events("att_rows");
+        run("SELECT dedup.create_inbox('att_rows'); SELECT dedup.attach('att_rows', 'event_id', inbox => 'att_rows')");
+        run("INSERT INTO att_rows (event_id, n) VALUES ('e1', 1)");
+        run("INSERT INTO att_rows (event_id, n) VALUES ('e1', 2), ('e2', 3), ('e2', 4)");
+        assert_eq!(column("SELECT event_id || n FROM att_rows ORDER BY n"), ["e11", "e23"], "repeats in one statement too");
+        let returned = column("INSERT INTO att_rows (event_id, n) VALUES ('e3', 5), ('e1', 6) RETURNING n::text");
+        assert_eq!(returned, ["5"], "RETURNING leaves the dropped row out");
+        run("INSERT INTO att_rows (event_id, n) SELECT 'e' || g, g FROM generate_series(1, 10) g");
+        assert_eq!(count("att_rows"), 10, "e1..e3 were in already");
+        rolled_back(|| run("INSERT INTO att_rows (event_id) VALUES ('e-rolled-back')"));
+        assert!(!one::<bool>("SELECT dedup.seen('e-rolled-back', 'att_rows')"), "a rolled-back row leaves no mark");
+        assert_eq!(
+            one::<String>("SELECT format('%s %s', rows_passed, rows_dropped) FROM dedup.stats WHERE inbox = 'att_rows'"),
+            "11 6"
+        );
+    }
+
+    #[pg_test]
+    fn attach_on_duplicate_error_names_the_key() {
+        events("att_err");
+        run("SELECT dedup.create_inbox('att_err'); SELECT dedup.attach('att_err', 'event_id', '1 hour', 'att_err', 'error')");
+        run("INSERT INTO att_err (event_id) VALUES ('x1')");
+        let (code, message) = error_of("INSERT INTO att_err (event_id) VALUES ('x2'), ('x1')");
+        assert_eq!(code, PgSqlErrorCode::ERRCODE_UNIQUE_VIOLATION);
+        assert!(message.starts_with("dedup: duplicate row for public.att_err: key \"x1\""), "{message}");
+        assert_eq!(count("att_err"), 1, "the statement failed whole");
+        assert!(one::<bool>(
+            "SELECT expires_at = statement_timestamp() + interval '1 hour' FROM dedup.inbox_att_err WHERE id = 'x1'"
+        ));
+    }
+
+    #[pg_test]
+    fn attach_keys_are_expressions_over_the_row() {
+        events("att_expr");
+        run("SELECT dedup.attach('att_expr', 'source || '':'' || event_id')");
+        run("INSERT INTO att_expr (event_id, source) VALUES ('1', 'a'), ('1', 'b'), ('1', 'a')");
+        assert_eq!(count("att_expr"), 2);
+        assert!(one::<bool>("SELECT dedup.seen('b:1')"));
+        events("att_content");
+        run("SELECT dedup.attach('att_content', 'dedup.fingerprint(payload)')");
+        run(r#"INSERT INTO att_content (payload) VALUES ('{"a": 1, "b": 2}'), ('{"b": 2, "a": 1}'), ('{"a": 2}')"#);
+        assert_eq!(count("att_content"), 2, "the same content in another key order is a duplicate");
+        assert_dedup_error("INSERT INTO att_content (payload) VALUES (NULL)", PgSqlErrorCode::ERRCODE_NULL_VALUE_NOT_ALLOWED);
+    }
+
+    #[pg_test]
+    fn attach_refuses_what_it_cannot_dedup() {
+        events("att_bad");
+        run("CREATE VIEW att_view AS SELECT * FROM att_bad");
+        use PgSqlErrorCode::*;
+        for (sql, code) in [
+            ("SELECT dedup.attach('att_view', 'event_id')", ERRCODE_WRONG_OBJECT_TYPE),
+            ("SELECT dedup.attach('dedup.inbox_default', 'id')", ERRCODE_WRONG_OBJECT_TYPE),
+            ("SELECT dedup.attach('att_bad', 'evnt_id')", ERRCODE_UNDEFINED_COLUMN),
+            ("SELECT dedup.attach('att_bad', 'n')", ERRCODE_INVALID_PARAMETER_VALUE),
+            ("SELECT dedup.attach('att_bad', 'event_id || random()::text')", ERRCODE_INVALID_PARAMETER_VALUE),
+            ("SELECT dedup.attach('att_bad', '(SELECT event_id)')", ERRCODE_FEATURE_NOT_SUPPORTED),
+            ("SELECT dedup.attach('att_bad', 'event_id, source')", ERRCODE_INVALID_PARAMETER_VALUE),
+            ("SELECT dedup.attach('att_bad', 'event_id FROM att_bad')", ERRCODE_INVALID_PARAMETER_VALUE),
+            ("SELECT dedup.attach('att_bad', 'event_id); DROP TABLE att_bad; --')", ERRCODE_SYNTAX_ERROR),
+            ("SELECT dedup.attach('att_bad', NULL)", ERRCODE_NULL_VALUE_NOT_ALLOWED),
+            ("SELECT dedup.attach(NULL, 'event_id')", ERRCODE_NULL_VALUE_NOT_ALLOWED),
+            ("SELECT dedup.attach('att_bad', 'event_id', on_duplicate => 'ignore')", ERRCODE_INVALID_PARAMETER_VALUE),
+            ("SELECT dedup.attach('att_bad', 'event_id', inbox => 'nope')", ERRCODE_UNDEFINED_OBJECT),
+            ("SELECT dedup.detach('att_bad')", ERRCODE_UNDEFINED_OBJECT),
+        ] {
+            assert_dedup_error(sql, code);
+        }
+        assert_eq!(count("dedup.attachments"), 0, "nothing was attached");
+        assert_eq!(count("att_bad"), 0);
+    }
+
+    #[pg_test]
+    fn attach_only_the_tables_owner_may() {
+        events("att_owned");
+        run("CREATE ROLE att_stranger; GRANT USAGE ON SCHEMA dedup TO att_stranger;
+             GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA dedup TO att_stranger;
+             GRANT SELECT ON dedup.inbox_registry TO att_stranger;
+             GRANT SELECT, INSERT, UPDATE ON dedup.inbox_default TO att_stranger;
+             GRANT INSERT, SELECT ON att_owned TO att_stranger");
+        run("SET LOCAL ROLE att_stranger");
+        assert_dedup_error("SELECT dedup.attach('att_owned', 'event_id')", PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE);
+        run("RESET ROLE");
+        run("SELECT dedup.attach('att_owned', 'event_id')");
+        run("SET LOCAL ROLE att_stranger");
+        assert_dedup_error("SELECT dedup.detach('att_owned')", PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE);
+        run("INSERT INTO att_owned (event_id) VALUES ('s1'), ('s1')");
+        assert_eq!(count("att_owned"), 1, "an inserter with rights on the inbox is deduplicated");
+        run("RESET ROLE");
+        run("REVOKE INSERT, UPDATE ON dedup.inbox_default FROM att_stranger; SET LOCAL ROLE att_stranger");
+        let (code, message) = error_of("INSERT INTO att_owned (event_id) VALUES ('s2')");
+        run("RESET ROLE");
+        assert_eq!(code, PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE, "{message}");
+        // A trigger made by hand with our function finds no attachment: it cannot aim at another inbox.
+        events("att_forged");
+        run("CREATE TRIGGER forged BEFORE INSERT ON att_forged FOR EACH ROW EXECUTE FUNCTION dedup.attached_insert('default')");
+        assert_dedup_error("INSERT INTO att_forged (event_id) VALUES ('f')", PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE);
+    }
+
+    #[pg_test]
+    fn attach_a_partitioned_table_covers_every_partition() {
+        run("CREATE TABLE att_parts (event_id text, day int) PARTITION BY RANGE (day);
+             CREATE TABLE att_parts_1 PARTITION OF att_parts FOR VALUES FROM (1) TO (2);
+             SELECT dedup.attach('att_parts', 'event_id');
+             CREATE TABLE att_parts_2 (day int, extra text, event_id text);
+             ALTER TABLE att_parts_2 DROP COLUMN extra;
+             ALTER TABLE att_parts ATTACH PARTITION att_parts_2 FOR VALUES FROM (2) TO (3)");
+        run("INSERT INTO att_parts VALUES ('p1', 1), ('p1', 2), ('p2', 2)");
+        run("INSERT INTO att_parts_2 (event_id, day) VALUES ('p2', 2), ('p3', 2)");
+        run("INSERT INTO att_parts_1 VALUES ('p3', 1)");
+        assert_eq!(column("SELECT event_id || '@' || day FROM att_parts ORDER BY 1"), ["p1@1", "p2@2", "p3@2"]);
+        assert_dedup_error("SELECT dedup.attach('att_parts_1', 'event_id')", PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE);
+    }
+
+    #[pg_test]
+    fn attach_detach_drop_and_reattach() {
+        events("att_life");
+        run("SELECT dedup.create_inbox('att_life'); SELECT dedup.attach('att_life', 'event_id', NULL, 'att_life')");
+        assert_eq!(
+            one::<String>("SELECT format('%s %s %s %s %s', tbl, key, inbox, ttl, on_duplicate) FROM dedup.attachments"),
+            "att_life event_id att_life  skip",
+            "no ttl: the inbox's default"
+        );
+        assert_dedup_error("SELECT dedup.drop_inbox('att_life')", PgSqlErrorCode::ERRCODE_DEPENDENT_OBJECTS_STILL_EXIST);
+        run("SELECT dedup.attach('att_life', 'source', NULL, 'att_life')");
+        run("INSERT INTO att_life VALUES ('a', 's'), ('b', 's')");
+        assert_eq!(count("att_life"), 1, "the new key counts");
+        run("SELECT dedup.detach('att_life')");
+        run("INSERT INTO att_life VALUES ('a', 's')");
+        assert_eq!(count("att_life"), 2, "detached: no dedup");
+        assert_eq!(count("dedup.attachments"), 0);
+        run("SELECT dedup.attach('att_life', 'event_id', NULL, 'att_life'); DROP TABLE att_life");
+        assert_eq!(count("dedup.attachments"), 0, "DROP TABLE took the attachment with it");
+        run("SELECT dedup.drop_inbox('att_life')");
+    }
+}
