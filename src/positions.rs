@@ -161,7 +161,9 @@ mod tests {
         assert_eq!(position("p1"), Some(10));
         assert!(advance("p2", -5), "any bigint is a position");
         assert_eq!(
-            one::<String>("SELECT format('%s %s', advances, stale_advances) FROM dedup.stats WHERE inbox = 'pos_forward'"),
+            one::<String>(
+                "SELECT format('%s %s', advances, stale_advances) FROM dedup.stats WHERE inbox = 'pos_forward'"
+            ),
             "3 2"
         );
     }
@@ -230,7 +232,10 @@ mod tests {
         assert_dedup_error("SELECT dedup.advance('k', NULL)", PgSqlErrorCode::ERRCODE_NULL_VALUE_NOT_ALLOWED);
         assert_dedup_error("SELECT dedup.advance('', 1)", PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE);
         assert_dedup_error("SELECT dedup.advance('k', 1, 'nope')", PgSqlErrorCode::ERRCODE_UNDEFINED_OBJECT);
-        assert_dedup_error("SELECT dedup.advance('k', 1, 'default', '-1 day')", PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE);
+        assert_dedup_error(
+            "SELECT dedup.advance('k', 1, 'default', '-1 day')",
+            PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE,
+        );
         assert_dedup_error("SELECT dedup.position(repeat('x', 3000))", PgSqlErrorCode::ERRCODE_PROGRAM_LIMIT_EXCEEDED);
     }
 }

@@ -41,7 +41,10 @@ impl OnDuplicate {
             Some("error") => OnDuplicate::Error,
             other => raise(
                 PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE,
-                format!("on_duplicate must be 'skip' or 'error', got {}", other.map_or("NULL".into(), |v| format!("'{v}'"))),
+                format!(
+                    "on_duplicate must be 'skip' or 'error', got {}",
+                    other.map_or("NULL".into(), |v| format!("'{v}'"))
+                ),
                 "'skip' drops a duplicate row and goes on; 'error' raises an error naming its key.",
             ),
         }
@@ -308,7 +311,11 @@ mod tests {
         run("SELECT dedup.create_inbox('att_rows'); SELECT dedup.attach('att_rows', 'event_id', inbox => 'att_rows')");
         run("INSERT INTO att_rows (event_id, n) VALUES ('e1', 1)");
         run("INSERT INTO att_rows (event_id, n) VALUES ('e1', 2), ('e2', 3), ('e2', 4)");
-        assert_eq!(column("SELECT event_id || n FROM att_rows ORDER BY n"), ["e11", "e23"], "repeats in one statement too");
+        assert_eq!(
+            column("SELECT event_id || n FROM att_rows ORDER BY n"),
+            ["e11", "e23"],
+            "repeats in one statement too"
+        );
         let returned = column("INSERT INTO att_rows (event_id, n) VALUES ('e3', 5), ('e1', 6) RETURNING n::text");
         assert_eq!(returned, ["5"], "RETURNING leaves the dropped row out");
         run("INSERT INTO att_rows (event_id, n) SELECT 'e' || g, g FROM generate_series(1, 10) g");
@@ -316,7 +323,9 @@ mod tests {
         rolled_back(|| run("INSERT INTO att_rows (event_id) VALUES ('e-rolled-back')"));
         assert!(!one::<bool>("SELECT dedup.seen('e-rolled-back', 'att_rows')"), "a rolled-back row leaves no mark");
         assert_eq!(
-            one::<String>("SELECT format('%s %s', rows_passed, rows_dropped) FROM dedup.stats WHERE inbox = 'att_rows'"),
+            one::<String>(
+                "SELECT format('%s %s', rows_passed, rows_dropped) FROM dedup.stats WHERE inbox = 'att_rows'"
+            ),
             "11 6"
         );
     }
@@ -346,7 +355,10 @@ mod tests {
         run("SELECT dedup.attach('att_content', 'dedup.fingerprint(payload)')");
         run(r#"INSERT INTO att_content (payload) VALUES ('{"a": 1, "b": 2}'), ('{"b": 2, "a": 1}'), ('{"a": 2}')"#);
         assert_eq!(count("att_content"), 2, "the same content in another key order is a duplicate");
-        assert_dedup_error("INSERT INTO att_content (payload) VALUES (NULL)", PgSqlErrorCode::ERRCODE_NULL_VALUE_NOT_ALLOWED);
+        assert_dedup_error(
+            "INSERT INTO att_content (payload) VALUES (NULL)",
+            PgSqlErrorCode::ERRCODE_NULL_VALUE_NOT_ALLOWED,
+        );
     }
 
     #[pg_test]
@@ -385,7 +397,10 @@ mod tests {
              GRANT SELECT, INSERT, UPDATE ON dedup.inbox_default TO att_stranger;
              GRANT INSERT, SELECT ON att_owned TO att_stranger");
         run("SET LOCAL ROLE att_stranger");
-        assert_dedup_error("SELECT dedup.attach('att_owned', 'event_id')", PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE);
+        assert_dedup_error(
+            "SELECT dedup.attach('att_owned', 'event_id')",
+            PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
+        );
         run("RESET ROLE");
         run("SELECT dedup.attach('att_owned', 'event_id')");
         run("SET LOCAL ROLE att_stranger");
@@ -400,7 +415,10 @@ mod tests {
         // A trigger made by hand with our function finds no attachment: it cannot aim at another inbox.
         events("att_forged");
         run("CREATE TRIGGER forged BEFORE INSERT ON att_forged FOR EACH ROW EXECUTE FUNCTION dedup.attached_insert('default')");
-        assert_dedup_error("INSERT INTO att_forged (event_id) VALUES ('f')", PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE);
+        assert_dedup_error(
+            "INSERT INTO att_forged (event_id) VALUES ('f')",
+            PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
+        );
     }
 
     #[pg_test]
@@ -415,7 +433,10 @@ mod tests {
         run("INSERT INTO att_parts_2 (event_id, day) VALUES ('p2', 2), ('p3', 2)");
         run("INSERT INTO att_parts_1 VALUES ('p3', 1)");
         assert_eq!(column("SELECT event_id || '@' || day FROM att_parts ORDER BY 1"), ["p1@1", "p2@2", "p3@2"]);
-        assert_dedup_error("SELECT dedup.attach('att_parts_1', 'event_id')", PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE);
+        assert_dedup_error(
+            "SELECT dedup.attach('att_parts_1', 'event_id')",
+            PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
+        );
     }
 
     #[pg_test]
@@ -427,7 +448,10 @@ mod tests {
             "att_life event_id att_life  skip",
             "no ttl: the inbox's default"
         );
-        assert_dedup_error("SELECT dedup.drop_inbox('att_life')", PgSqlErrorCode::ERRCODE_DEPENDENT_OBJECTS_STILL_EXIST);
+        assert_dedup_error(
+            "SELECT dedup.drop_inbox('att_life')",
+            PgSqlErrorCode::ERRCODE_DEPENDENT_OBJECTS_STILL_EXIST,
+        );
         run("SELECT dedup.attach('att_life', 'source', NULL, 'att_life')");
         run("INSERT INTO att_life VALUES ('a', 's'), ('b', 's')");
         assert_eq!(count("att_life"), 1, "the new key counts");

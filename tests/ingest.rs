@@ -1,0 +1,254 @@
+//! Issue 15: rows deduplicated where they arrive (`attach()`: INSERT, COPY, logical replication) and per-key
+//! positions (`advance()`), against real servers: COPY of data with repeats, eight sessions loading overlapping keys
+//! at once, a load killed mid-COPY, a logical-replication subscriber that is sent the same rows twice, pg_dump and
+//! restore, and streams of positions raced by eight sessions.
+
+use pg_dedup_harness::postgres::Client;
+use pg_dedup_tests::*;
+use std::collections::BTreeMap;
+use std::io::Write;
+
+/// A table of events attached to inbox `inbox` by `event_id`.
+fn attached_events(c: &mut Client, table: &str, inbox: &str, on_duplicate: &str) {
+    c.batch_execute(&format!(
+        "CREATE TABLE {table} (event_id text NOT NULL, body text);
+         SELECT dedup.attach('{table}', 'event_id', inbox => '{inbox}', on_duplicate => '{on_duplicate}');"
+    ))
+    .unwrap();
+}
+
+/// COPY of `rows` (event_id, body) into `table` through the client protocol, as a loader does.
+fn copy_rows(c: &mut Client, table: &str, rows: &[(String, String)]) -> Result<u64, postgres::Error> {
+    let mut copy = c.copy_in(&format!("COPY {table} (event_id, body) FROM STDIN"))?;
+    for (id, body) in rows {
+        writeln!(copy, "{id}\t{body}").unwrap();
+    }
+    copy.finish()
+}
+
+fn rows(ids: impl IntoIterator<Item = usize>, tag: &str) -> Vec<(String, String)> {
+    ids.into_iter().map(|i| (format!("ev-{i}"), format!("{tag}-{i}"))).collect()
+}
+
+#[test]
+fn copy_with_repeats_keeps_the_first_of_each_key() {
+    let mut c = db("ingest_copy");
+    attached_events(&mut c, "feed", "default", "skip");
+    // 1,000 rows, keys 0..700 (300 repeats inside the file, at both ends of it).
+    let file: Vec<_> = rows((0..700).chain(0..150).chain(550..700), "first");
+    assert_eq!(copy_rows(&mut c, "feed", &file).unwrap(), 700, "COPY reports the rows it kept");
+    // Loaded again, as a loader re-run after a failure: nothing new.
+    assert_eq!(copy_rows(&mut c, "feed", &rows(0..700, "again")).unwrap(), 0);
+    let kept: i64 =
+        c.query_one("SELECT count(DISTINCT event_id) FROM feed WHERE body LIKE 'first-%'", &[]).unwrap().get(0);
+    assert_eq!((count(&mut c, "feed"), kept), (700, 700));
+    // Counted where there are counters (a preloaded server: `ingest_filtered`).
+    let stats: Option<String> = c
+        .query_one("SELECT rows_passed || ' ' || rows_dropped FROM dedup.stats WHERE inbox = 'default'", &[])
+        .unwrap()
+        .get(0);
+    assert!(stats.as_deref().is_none_or(|s| s == "700 1000"), "{stats:?}");
+    // With 'error', the first repeat fails the whole COPY: nothing of it stays, not even its marks.
+    c.batch_execute(
+        "SELECT dedup.create_inbox('strict'); CREATE TABLE strict_feed (event_id text, body text);
+                     SELECT dedup.attach('strict_feed', 'event_id', inbox => 'strict', on_duplicate => 'error')",
+    )
+    .unwrap();
+    let err = copy_rows(&mut c, "strict_feed", &rows([1, 2, 3, 2], "x")).unwrap_err();
+    assert_eq!(sqlstate(&err), "23505");
+    let message = err.as_db_error().map(|e| e.message().to_owned()).unwrap_or_default();
+    assert!(message.contains("key \"ev-2\""), "{message}");
+    assert_eq!(count(&mut c, "strict_feed") + count(&mut c, "dedup.inbox_strict"), 0);
+}
+
+#[test]
+fn eight_sessions_loading_overlapping_keys_land_each_key_exactly_once() {
+    let cluster = cluster();
+    let mut c = db("ingest_race");
+    attached_events(&mut c, "feed", "default", "skip");
+    c.batch_execute(
+        "CREATE TABLE parted (event_id text, body text) PARTITION BY HASH (event_id);
+                     CREATE TABLE parted_0 PARTITION OF parted FOR VALUES WITH (MODULUS 2, REMAINDER 0);
+                     CREATE TABLE parted_1 PARTITION OF parted FOR VALUES WITH (MODULUS 2, REMAINDER 1);
+                     SELECT dedup.create_inbox('parted'); SELECT dedup.attach('parted', 'event_id', inbox => 'parted')",
+    )
+    .unwrap();
+    const KEYS: usize = 2_000;
+    std::thread::scope(|s| {
+        for session in 0..8 {
+            s.spawn(move || {
+                let mut c = cluster.connect("ingest_race");
+                // Each session loads three quarters of the keys, starting at its own offset, in batches of 250.
+                let mine: Vec<usize> = (0..KEYS * 3 / 4).map(|i| (i + session * KEYS / 8) % KEYS).collect();
+                for (n, chunk) in mine.chunks(250).enumerate() {
+                    let batch = rows(chunk.iter().copied(), &format!("s{session}"));
+                    let table = if n % 2 == 0 { "feed" } else { "parted" };
+                    copy_rows(&mut c, table, &batch).unwrap();
+                    let inserted = c
+                        .execute(
+                            &format!(
+                                "INSERT INTO {} SELECT * FROM unnest($1::text[], $2::text[])",
+                                if n % 2 == 0 { "parted" } else { "feed" }
+                            ),
+                            &[
+                                &batch.iter().map(|r| r.0.clone()).collect::<Vec<_>>(),
+                                &batch.iter().map(|r| r.1.clone()).collect::<Vec<_>>(),
+                            ],
+                        )
+                        .unwrap();
+                    assert!(inserted <= batch.len() as u64);
+                }
+            });
+        }
+    });
+    for table in ["feed", "parted"] {
+        let (rows, keys): (i64, i64) = c
+            .query_one(&format!("SELECT count(*), count(DISTINCT event_id) FROM {table}"), &[])
+            .map(|r| (r.get(0), r.get(1)))
+            .unwrap();
+        assert_eq!((rows, keys), (KEYS as i64, KEYS as i64), "{table}: every key once, none lost");
+    }
+    let marks = count(&mut c, "dedup.inbox_default") + count(&mut c, "dedup.inbox_parted");
+    assert_eq!(marks, 2 * KEYS as i64, "one mark per row, no orphan");
+}
+
+#[test]
+fn a_load_killed_mid_copy_leaves_neither_rows_nor_marks_of_it() {
+    // A server of its own: SIGKILL of a backend restarts every backend of the cluster.
+    let server = Cluster::start(&[]);
+    let mut c = server.fresh_db("ingest_kill");
+    attached_events(&mut c, "feed", "default", "skip");
+    copy_rows(&mut c, "feed", &rows(0..100, "before")).unwrap();
+    let mut loader = server.connect("ingest_kill");
+    let pid = backend_pid(&mut loader);
+    let copy = std::thread::spawn(move || {
+        let mut copy = loader.copy_in("COPY feed (event_id, body) FROM STDIN").unwrap();
+        // Rows go out until the server is gone: the COPY never finishes.
+        for i in 100.. {
+            if writeln!(copy, "ev-{i}\tduring-{i}").and_then(|_| copy.flush()).is_err() {
+                return i;
+            }
+        }
+        unreachable!()
+    });
+    eventually("the COPY has sent rows", || {
+        let mut observer = server.connect("ingest_kill");
+        observer
+            .query_one("SELECT count(*) FROM pg_stat_activity WHERE pid = $1 AND query LIKE 'COPY%'", &[&pid])
+            .unwrap()
+            .get::<_, i64>(0)
+            == 1
+    });
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    server.crash_backend(pid);
+    let sent = copy.join().unwrap();
+    assert!(sent > 100, "rows were on their way");
+    let mut c = server.connect("ingest_kill");
+    assert_eq!(count(&mut c, "feed"), 100, "nothing of the killed COPY");
+    assert_eq!(count(&mut c, "dedup.inbox_default"), 100, "no orphan marks");
+    // The same file loaded again goes in whole.
+    assert_eq!(copy_rows(&mut c, "feed", &rows(100..200, "again")).unwrap(), 100);
+    server.destroy();
+}
+
+#[test]
+fn a_logical_replication_subscriber_drops_what_it_is_sent_twice() {
+    let server = Cluster::start(&["wal_level = logical", "max_replication_slots = 4", "max_wal_senders = 4"]);
+    let mut publisher = server.fresh_db("ingest_pub");
+    publisher
+        .batch_execute(
+            "CREATE TABLE orders (seq int PRIMARY KEY, order_id text NOT NULL, amount int);
+             CREATE PUBLICATION orders_pub FOR TABLE orders;",
+        )
+        .unwrap();
+    // Made apart: a subscription to its own cluster cannot create its slot (it would wait for itself).
+    publisher.batch_execute("SELECT pg_create_logical_replication_slot('orders_sub', 'pgoutput')").unwrap();
+    let mut subscriber = server.fresh_db("ingest_sub");
+    subscriber
+        .batch_execute(&format!(
+            "CREATE TABLE orders (seq int PRIMARY KEY, order_id text NOT NULL, amount int);
+             SELECT dedup.attach('orders', 'order_id');
+             CREATE SUBSCRIPTION orders_sub CONNECTION '{}' PUBLICATION orders_pub
+               WITH (create_slot = false, slot_name = 'orders_sub', copy_data = false);",
+            server.conn_string("ingest_pub", "postgres")
+        ))
+        .unwrap();
+    // The source sends every order twice under different sequence numbers (a producer retrying).
+    publisher
+        .batch_execute(
+            "INSERT INTO orders SELECT g, 'order-' || (g % 50), g FROM generate_series(1, 100) g;
+             INSERT INTO orders VALUES (1000, 'last', 0);",
+        )
+        .unwrap();
+    eventually("the subscriber applied everything", || count(&mut subscriber, "orders WHERE order_id = 'last'") == 1);
+    assert_eq!(count(&mut subscriber, "orders"), 51, "each order once");
+    let first: i64 =
+        subscriber.query_one("SELECT max(seq)::bigint FROM orders WHERE order_id <> 'last'", &[]).unwrap().get(0);
+    assert_eq!(first, 50, "the first delivery of each order was kept");
+    subscriber.batch_execute("DROP SUBSCRIPTION orders_sub").unwrap();
+    server.destroy();
+}
+
+#[test]
+fn dump_and_restore_keep_attachments_and_every_row() {
+    let cluster = cluster();
+    let mut c = db("ingest_dump");
+    attached_events(&mut c, "feed", "default", "skip");
+    c.batch_execute("SELECT dedup.create_inbox('streams'); SELECT dedup.advance('order-1', 7, 'streams')").unwrap();
+    copy_rows(&mut c, "feed", &rows(0..300, "kept")).unwrap();
+    dump_and_restore(cluster, "ingest_dump", "ingest_restored");
+    let mut r = cluster.connect("ingest_restored");
+    assert_eq!(count(&mut r, "feed"), 300, "no row was taken for a duplicate of itself");
+    let attached: String =
+        r.query_one("SELECT format('%s %s %s', tbl, key, on_duplicate) FROM dedup.attachments", &[]).unwrap().get(0);
+    assert_eq!(attached, "feed event_id skip");
+    assert_eq!(copy_rows(&mut r, "feed", &rows(250..350, "more")).unwrap(), 50, "the marks came along too");
+    let position: i64 = r.query_one("SELECT dedup.position('order-1', 'streams')", &[]).unwrap().get(0);
+    assert_eq!(position, 7);
+}
+
+#[test]
+fn eight_sessions_racing_positions_keep_every_keys_maximum() {
+    let cluster = cluster();
+    let mut c = db("ingest_positions");
+    c.batch_execute("CREATE TABLE won (n bigserial PRIMARY KEY, key text, position bigint)").unwrap();
+    const KEYS: usize = 100;
+    const STEPS: i64 = 40;
+    std::thread::scope(|s| {
+        for session in 0..8u64 {
+            s.spawn(move || {
+                let mut c = cluster.connect("ingest_positions");
+                // Every session sends every key's positions 1..STEPS, duplicated and shuffled its own way.
+                let mut events: Vec<(usize, i64)> = (0..KEYS).flat_map(|k| (1..=STEPS).map(move |p| (k, p))).collect();
+                let mut seed = 0x9e37_79b9_7f4a_7c15u64 ^ (session + 1).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+                for i in (1..events.len()).rev() {
+                    seed ^= seed << 13;
+                    seed ^= seed >> 7;
+                    seed ^= seed << 17;
+                    events.swap(i, (seed % (i as u64 + 1)) as usize);
+                }
+                for (k, p) in events {
+                    let key = format!("key-{k}");
+                    let mut tx = c.transaction().unwrap();
+                    let ahead: bool = tx.query_one("SELECT dedup.advance($1, $2)", &[&key, &p]).unwrap().get(0);
+                    if ahead {
+                        // Written under the key's row lock, so `n` orders the winners of one key as they committed.
+                        tx.execute("INSERT INTO won (key, position) VALUES ($1, $2)", &[&key, &p]).unwrap();
+                    }
+                    tx.commit().unwrap();
+                }
+            });
+        }
+    });
+    let mut won: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+    for row in c.query("SELECT key, position FROM won ORDER BY n", &[]).unwrap() {
+        won.entry(row.get(0)).or_default().push(row.get(1));
+    }
+    assert_eq!(won.len(), KEYS);
+    for (key, positions) in &won {
+        assert!(positions.windows(2).all(|w| w[0] < w[1]), "{key}: the true answers went strictly up: {positions:?}");
+        assert_eq!(positions.last(), Some(&STEPS), "{key}: the maximum won");
+        let stored: i64 = c.query_one("SELECT dedup.position($1)", &[key]).unwrap().get(0);
+        assert_eq!(stored, STEPS);
+    }
+}
