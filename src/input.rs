@@ -45,6 +45,10 @@ pub fn key(key: Option<&str>) -> &str {
 
 /// The key an attached table's key expression gave for a row (None: NULL): the same rules as an id.
 pub fn key_of_row<'a>(key: Option<&'a str>, table: &str) -> &'a str {
+    // Every row of a COPY comes here: the message is built only for a key that fails.
+    if let Some(valid) = key.filter(|k| !k.is_empty() && k.len() <= MAX_ID_BYTES) {
+        return valid;
+    }
     key_like(
         &format!("the key of a row inserted into {table}"),
         key,

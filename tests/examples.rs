@@ -5,7 +5,8 @@
 //!   delivery must be dead-lettered, and the retries must have happened;
 //! - the webhook answers 200 for a new event and for its duplicates, 400 for what can never succeed, 500 when the
 //!   database fails (and then has marked nothing), with the effect applied once;
-//! - usage.sql runs top to bottom with psql and prints exactly examples/usage.out.
+//! - usage.sql runs top to bottom with psql and prints exactly examples/usage.out; so does ingest/load.sql (a feed
+//!   loaded twice into an attached table, statuses applied by version) with ingest/load.out.
 
 use pg_dedup_harness::replay::{self, Event, Rng};
 use pg_dedup_tests::*;
@@ -24,9 +25,11 @@ fn example(path: &str) -> PathBuf {
     Path::new(EXAMPLES).join(path)
 }
 
-/// The cluster's psql on `file`, stopping at the first error, as the examples' READMEs run it. Returns stdout.
+/// The cluster's psql on `file`, stopping at the first error, as the examples' READMEs run it (from the file's
+/// directory). Returns stdout.
 fn psql(db: &str, file: &Path) -> String {
     let out = Command::new(cluster().bindir().join("psql"))
+        .current_dir(file.parent().expect("a file in a directory"))
         .args(["-X", "-q", "-v", "ON_ERROR_STOP=1", "-d", &cluster().conn_string(db, "postgres"), "-f"])
         .arg(file)
         .output()
@@ -250,18 +253,29 @@ fn webhook() {
     assert_eq!(balance, 60, "k1 and k2 charged once each");
 }
 
-#[test]
-fn usage_sql() {
-    db("usage_sql");
-    let output = psql("usage_sql", &example("usage.sql"));
-    let expected = std::fs::read_to_string(example("usage.out")).expect("read examples/usage.out");
-    if output != expected {
-        // After an intended change, this file is the new usage.out.
-        let actual = std::env::temp_dir().join("pg_dedup_usage.out");
+/// Runs examples/`script` in a fresh database and compares what it prints with examples/`expected`.
+fn prints_what_it_says(db_name: &str, script: &str, expected: &str) {
+    db(db_name);
+    let output = psql(db_name, &example(script));
+    let wanted = std::fs::read_to_string(example(expected)).unwrap_or_else(|e| panic!("read examples/{expected}: {e}"));
+    if output != wanted {
+        // After an intended change, this file is the new expected output.
+        let actual = std::env::temp_dir().join(format!("pg_dedup_{db_name}.out"));
         std::fs::write(&actual, &output).unwrap();
         panic!(
-            "examples/usage.sql printed something else than usage.out: see `diff examples/usage.out {}`",
+            "examples/{script} printed something else than {expected}: see `diff examples/{expected} {}`",
             actual.display()
         );
     }
+}
+
+#[test]
+fn usage_sql() {
+    prints_what_it_says("usage_sql", "usage.sql", "usage.out");
+}
+
+/// The ingest example: a feed loaded twice with `\copy` into an attached table, and statuses applied by version.
+#[test]
+fn ingest_load_sql() {
+    prints_what_it_says("ingest_load", "ingest/load.sql", "ingest/load.out");
 }

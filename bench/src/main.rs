@@ -16,6 +16,7 @@ mod filter;
 mod fsync;
 mod growth;
 mod idempotency;
+mod ingest;
 mod instructions;
 mod machine;
 mod pgbench;
@@ -29,6 +30,8 @@ use std::time::Instant;
 pub struct Scale {
     pub rounds: usize,
     pub preload: i64,
+    /// Rows of the COPY scenario (ingest).
+    pub copy_rows: i64,
     pub seen_lookups: i64,
     pub marks: i64,
     pub purge_rows: i64,
@@ -164,6 +167,7 @@ fn main() {
         Scale {
             rounds: 3,
             preload: 50_000,
+            copy_rows: 200_000,
             seen_lookups: 50_000,
             marks: 10_000,
             purge_rows: 100_000,
@@ -184,6 +188,7 @@ fn main() {
         Scale {
             rounds: 5,
             preload: 500_000,
+            copy_rows: 1_000_000,
             seen_lookups: 200_000,
             marks: 50_000,
             purge_rows: 500_000,
@@ -237,6 +242,7 @@ fn main() {
     section("expiry", &mut |c| expiry::scenarios(c, &scale));
     section("clients", &mut |c| clients::scenarios(c, &pgbench, cluster.socket_dir(), &scale));
     section("idempotency", &mut |c| idempotency::scenarios(c, &pgbench, &scale));
+    section("ingest", &mut |c| ingest::scenarios(c, &scale));
     section("instructions", &mut |_| instructions::scenarios(&scale));
     section("growth", &mut |c| {
         let (rows, points) = growth::scenarios(c, &pgbench, &scale);

@@ -21,7 +21,7 @@ mod row_trigger;
 
 use crate::errors::{internal, raise};
 use crate::inbox::{self, Access};
-use crate::{input, ports, rights};
+use crate::{guc, input, ports, rights};
 use pgrx::prelude::*;
 
 /// The trigger's name (see the module comment for why it sorts last).
@@ -197,7 +197,10 @@ fn attach(
                  CREATE TRIGGER {TRIGGER} BEFORE INSERT ON {table} FOR EACH ROW EXECUTE FUNCTION dedup.attached_insert(); \
                  ALTER TABLE {table} ENABLE ALWAYS TRIGGER {TRIGGER}"
             );
-            client.update(&ddl, None, &[]).unwrap_or_else(|e| internal("creating the attachment's trigger", e));
+            // (Without "trigger ... does not exist, skipping" for a first attach.)
+            guc::with_setting(c"client_min_messages", c"warning", || {
+                client.update(&ddl, None, &[]).unwrap_or_else(|e| internal("creating the attachment's trigger", e))
+            });
         })
     });
 }
