@@ -44,8 +44,8 @@ fn surface(c: &mut Client) -> Vec<String> {
          UNION ALL
          SELECT 'schema acl ' || coalesce(nspacl::text, '') FROM pg_namespace WHERE nspname = 'dedup'
          UNION ALL
-         SELECT 'dumped ' || coalesce(extconfig::regclass[]::text, '') || ' where ' || coalesce(extcondition::text, '')
-           FROM pg_extension WHERE extname = 'pg_dedup'
+         SELECT 'dumped ' || u.tbl::regclass || ' where ' || coalesce(u.cond, '')
+           FROM pg_extension e, unnest(e.extconfig, e.extcondition) AS u(tbl, cond) WHERE e.extname = 'pg_dedup'
          ORDER BY 1",
         &[],
     )
