@@ -146,8 +146,9 @@ pub fn purge_cycle(slot: &WorkerSlot, keep_going: impl Fn() -> bool) {
     slot.last_cycle_rows.store(total, Ordering::Relaxed);
 }
 
-/// The expired positions (`advance()`) of inbox `name`, batch after batch, each in a transaction of its own. They
-/// belong to the extension's owner, whose rights `positions` takes (the worker is no table owner here).
+/// The expired positions (`advance()`) of inbox `name`, batch after batch, each in a transaction of its own, paced
+/// like the marks' batches. They belong to the extension's owner, whose rights `positions` takes (the worker is no
+/// table owner here).
 fn purge_positions(name: &str, keep_going: &impl Fn() -> bool) {
     let limit = guc::PURGE_BATCH_SIZE.get() as i64;
     while keep_going() {
@@ -160,6 +161,10 @@ fn purge_positions(name: &str, keep_going: &impl Fn() -> bool) {
         match in_transaction(&format!("purging the positions of inbox \"{name}\""), batch) {
             Some(deleted) if deleted == limit => {}
             _ => return,
+        }
+        let delay = guc::PURGE_BATCH_DELAY.get();
+        if delay > 0 && !BackgroundWorker::wait_latch(Some(Duration::from_millis(delay as u64))) {
+            return; // terminated, or the postmaster died
         }
     }
 }

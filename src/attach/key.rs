@@ -9,7 +9,7 @@
 //! are numbered differently from its parent's gets the right ones.
 
 use crate::errors::raise;
-use crate::{input, ports, xact};
+use crate::{guc, input, ports, xact};
 use pgrx::prelude::*;
 use std::ffi::CString;
 
@@ -35,13 +35,9 @@ impl Drop for Key {
 ///
 /// # Safety
 /// `rel` must be an open relation; the expression is allocated in the current memory context.
-unsafe fn analyse(rel: pg_sys::Relation, text: &str) -> *mut pg_sys::Node {
+unsafe fn analyse(rel: pg_sys::Relation, text: &str, hint: impl Fn() -> String) -> *mut pg_sys::Node {
     let invalid = |code: PgSqlErrorCode, why: &str| -> ! {
-        raise(
-            code,
-            format!("key {} is not a valid key expression: {why}", quote(text)),
-            "Pass one SQL expression over the table's columns, e.g. 'event_id' or 'source || '':'' || event_id'.",
-        )
+        raise(code, format!("key {} is not a valid key expression: {why}", quote(text)), hint())
     };
     let sql = CString::new(format!("SELECT {text}"))
         .unwrap_or_else(|_| invalid(PgSqlErrorCode::ERRCODE_SYNTAX_ERROR, "it contains a NUL byte"));
@@ -151,21 +147,43 @@ fn quote(text: &str) -> String {
     format!("'{}'", text.replace('\'', "''"))
 }
 
-/// Checks that `text` is a valid key expression for table `rel` (at `attach()`).
+/// The search path keys are analysed and compiled under. `attach()` stores a key as PostgreSQL prints it under this
+/// path (every name outside pg_catalog qualified, as pg_get_indexdef() prints an index expression), so it means the
+/// same in every session, whatever that session's search_path.
+const KEY_SEARCH_PATH: &std::ffi::CStr = c"pg_catalog, pg_temp";
+
+/// Checks that `text` is a valid key expression for table `rel` (at `attach()`, under the caller's search_path) and
+/// returns its canonical form, the text that is stored and compiled.
 ///
 /// # Safety
 /// `rel` must be an open relation.
-pub unsafe fn validate(rel: pg_sys::Relation, text: &str) {
+pub unsafe fn canonical(rel: pg_sys::Relation, text: &str) -> String {
     // SAFETY: the caller vouches for the relation; the analysed tree is left to the caller's memory context.
-    unsafe { analyse(rel, text) };
+    unsafe {
+        let expr = analyse(rel, text, || {
+            "Pass one SQL expression over the table's columns, e.g. 'event_id' or 'source || '':'' || event_id'."
+                .to_owned()
+        });
+        guc::with_setting(c"search_path", KEY_SEARCH_PATH, || {
+            let context = pg_sys::deparse_context_for((*(*rel).rd_rel).relname.data.as_ptr(), (*rel).rd_id);
+            let printed = pg_sys::deparse_expression(expr, context, false, false);
+            std::ffi::CStr::from_ptr(printed).to_string_lossy().into_owned()
+        })
+    }
 }
 
 impl Key {
-    /// Compiles `text` for table `rel`, in memory of its own under `parent`.
+    /// Compiles `text` (a canonical key, see `canonical`) for table `rel`, in memory of its own under `parent`;
+    /// `hint` says what to do if it no longer compiles.
     ///
     /// # Safety
     /// `rel` must be an open relation.
-    pub unsafe fn compile(rel: pg_sys::Relation, text: &str, parent: pg_sys::MemoryContext) -> Key {
+    pub unsafe fn compile(
+        rel: pg_sys::Relation,
+        text: &str,
+        parent: pg_sys::MemoryContext,
+        hint: impl Fn() -> String,
+    ) -> Key {
         // SAFETY: everything is allocated in the new context, which the Key owns; the caller's context comes back.
         unsafe {
             let context = pg_sys::AllocSetContextCreateExtended(
@@ -176,7 +194,8 @@ impl Key {
                 pg_sys::ALLOCSET_SMALL_MAXSIZE as usize,
             );
             let caller = pg_sys::MemoryContextSwitchTo(context);
-            let expr = pg_sys::expression_planner(analyse(rel, text) as *mut pg_sys::Expr);
+            let analysed = guc::with_setting(c"search_path", KEY_SEARCH_PATH, || analyse(rel, text, hint));
+            let expr = pg_sys::expression_planner(analysed as *mut pg_sys::Expr);
             let state = pg_sys::ExecInitExpr(expr, std::ptr::null_mut());
             let econtext = pg_sys::CreateStandaloneExprContext();
             pg_sys::MemoryContextSwitchTo(caller);

@@ -153,10 +153,11 @@ fn attach(
     // The caller must be allowed to mark in the inbox, as the rows' inserters will have to be.
     inbox::open(inbox_name, Access::Mark);
     // SAFETY: the relation is open and locked.
-    unsafe {
-        key::validate(rel, key);
+    let key = unsafe {
+        let key = key::canonical(rel, key);
         pg_sys::relation_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
-    }
+        key
+    };
     let relid = tbl.expect("checked by open_table");
     rights::as_extension_owner("attach", || {
         Spi::connect_mut(|client| {
@@ -180,7 +181,7 @@ fn attach(
                     "Attach only the partitioned table at the top: its partitions are covered. Detach the other first.",
                 )
             }
-            let args = [relid.into(), key.into(), inbox_name.into(), ttl.into(), on_duplicate.label().into()];
+            let args = [relid.into(), key.as_str().into(), inbox_name.into(), ttl.into(), on_duplicate.label().into()];
             client
                 .update(
                     "INSERT INTO dedup.attachment_registry (tbl, key, inbox, ttl, on_duplicate) \
@@ -362,6 +363,22 @@ mod tests {
             "INSERT INTO att_content (payload) VALUES (NULL)",
             PgSqlErrorCode::ERRCODE_NULL_VALUE_NOT_ALLOWED,
         );
+    }
+
+    #[pg_test]
+    fn attach_stores_the_key_as_postgres_prints_it_and_it_means_the_same_on_any_search_path() {
+        run("CREATE SCHEMA att_fns;
+             CREATE FUNCTION att_fns.norm(t text) RETURNS text LANGUAGE sql IMMUTABLE AS 'SELECT lower(t)';
+             SET LOCAL search_path = att_fns, public;
+             CREATE TABLE public.att_path (event_id text, source text);
+             SELECT dedup.attach('public.att_path', 'norm(source) || '':'' || event_id')");
+        assert_eq!(
+            one::<String>("SELECT key FROM dedup.attachments"),
+            "((att_fns.norm(source) || ':'::text) || event_id)"
+        );
+        run("SET LOCAL search_path = ''");
+        run("INSERT INTO public.att_path VALUES ('1', 'A'), ('1', 'a')");
+        assert_eq!(count("public.att_path"), 1, "the same function, wherever the session looks for names");
     }
 
     #[pg_test]

@@ -8,7 +8,6 @@ use super::{qualified_name, OnDuplicate, TRIGGER};
 use crate::claim;
 use crate::errors::{internal, raise};
 use crate::inbox::{self, Access};
-use crate::rights;
 use crate::shmem::Counter;
 use pgrx::prelude::*;
 use std::cell::{Cell, RefCell};
@@ -46,9 +45,51 @@ unsafe extern "C-unwind" fn on_relcache_invalidation(_arg: pg_sys::Datum, relid:
     });
 }
 
-/// The attachment of table `rel` (or of the partitioned table above it: pg_partition_ancestors() lists a partition's
-/// ancestors, and nothing for a table that is no partition), read from the registry as the extension's owner, with
-/// its key compiled for `rel`.
+/// An attachment as the registry holds it: key, inbox, ttl, on_duplicate.
+type RegistryRow = (String, String, Option<Interval>, String);
+
+/// The attachment of the first of `tables` that has one, read straight from `dedup.attachment_registry` with this
+/// transaction's snapshot. No privilege on the registry is needed, and no role is switched to: a
+/// security-restricted operation refuses that, and logical replication applies changes in one (PostgreSQL 16 and
+/// later, running as the table's owner).
+///
+/// # Safety
+/// Inside a transaction.
+unsafe fn registry_row(tables: &[pg_sys::Oid]) -> Option<RegistryRow> {
+    // SAFETY: opens the registry (locked until the transaction ends), scans it with a registered snapshot, and
+    // copies every value it keeps out of the slot before the next row; everything is closed before returning.
+    unsafe {
+        let schema = pg_sys::get_namespace_oid(c"dedup".as_ptr(), false);
+        let relid = pg_sys::get_relname_relid(c"attachment_registry".as_ptr(), schema);
+        if relid == pg_sys::InvalidOid {
+            internal("reading dedup.attachment_registry", "it is missing");
+        }
+        let rel = pg_sys::table_open(relid, pg_sys::AccessShareLock as pg_sys::LOCKMODE);
+        let snapshot = pg_sys::RegisterSnapshot(pg_sys::GetTransactionSnapshot());
+        let scan = pg_sys::table_beginscan(rel, snapshot, 0, std::ptr::null_mut());
+        let slot = pg_sys::table_slot_create(rel, std::ptr::null_mut());
+        let mut found: Vec<(usize, RegistryRow)> = Vec::new();
+        while pg_sys::table_scan_getnextslot(scan, pg_sys::ScanDirection::ForwardScanDirection, slot) {
+            let column = |attnum| {
+                let mut null = false;
+                let datum = pg_sys::slot_getattr(slot, attnum, &mut null);
+                (!null).then_some(datum)
+            };
+            let tbl = column(1).and_then(|d| pg_sys::Oid::from_datum(d, false));
+            let Some(rank) = tbl.and_then(|t| tables.iter().position(|x| *x == t)) else { continue };
+            let text = |attnum| column(attnum).and_then(|d| String::from_datum(d, false)).unwrap_or_default();
+            let ttl = column(4).and_then(|d| Interval::from_datum(d, false));
+            found.push((rank, (text(2), text(3), ttl, text(5))));
+        }
+        pg_sys::ExecDropSingleTupleTableSlot(slot);
+        pg_sys::table_endscan(scan);
+        pg_sys::UnregisterSnapshot(snapshot);
+        pg_sys::table_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
+        found.into_iter().min_by_key(|(rank, _)| *rank).map(|(_, row)| row)
+    }
+}
+
+/// The attachment of table `rel` (or of the partitioned table above it), with its key compiled for `rel`.
 ///
 /// # Safety
 /// `rel` must be the trigger's open relation.
@@ -56,25 +97,18 @@ unsafe fn load(rel: pg_sys::Relation) -> Attached {
     // SAFETY: the caller vouches for the relation.
     let relid = unsafe { (*rel).rd_id };
     let table = qualified_name(relid).unwrap_or_else(|| internal("naming an attached table", "it has no name"));
-    let row = rights::as_extension_owner(TRIGGER, || {
-        Spi::connect(|client| {
-            client
-                .select(
-                    "SELECT key, inbox, ttl, on_duplicate FROM dedup.attachment_registry \
-                      WHERE tbl OPERATOR(pg_catalog.=) $1 \
-                         OR tbl IN (SELECT relid FROM pg_catalog.pg_partition_ancestors($1)) LIMIT 1",
-                    None,
-                    &[relid.into()],
-                )
-                .unwrap_or_else(|e| internal("reading dedup.attachment_registry", e))
-                .next()
-                .map(|row| {
-                    let text = |i| row.get::<String>(i).ok().flatten().unwrap_or_default();
-                    (text(1), text(2), row.get::<Interval>(3).ok().flatten(), text(4))
-                })
-        })
-    });
-    let Some((key, inbox, ttl, on_duplicate)) = row else {
+    // The table itself, then (a partition) its ancestors, nearest first: pg_partition_ancestors() lists a
+    // partition itself and its ancestors, and nothing for a table that is no partition. It needs no privilege.
+    let mut tables = vec![relid];
+    tables.extend(Spi::connect(|client| {
+        client
+            .select("SELECT relid FROM pg_catalog.pg_partition_ancestors($1)", None, &[relid.into()])
+            .unwrap_or_else(|e| internal("finding the partitioned tables above a partition", e))
+            .filter_map(|row| row.get::<pg_sys::Oid>(1).ok().flatten())
+            .collect::<Vec<_>>()
+    }));
+    // SAFETY: inside the trigger's transaction.
+    let Some((key, inbox, ttl, on_duplicate)) = (unsafe { registry_row(&tables) }) else {
         raise(
             PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
             format!("{table} has pg_dedup's trigger {TRIGGER} but is not attached"),
@@ -83,7 +117,14 @@ unsafe fn load(rel: pg_sys::Relation) -> Attached {
     };
     let on_duplicate = if on_duplicate == "error" { OnDuplicate::Error } else { OnDuplicate::Skip };
     // SAFETY: the relation is open; the key lives in memory of its own under the cache's long-lived context.
-    let key = unsafe { Key::compile(rel, &key, pg_sys::CacheMemoryContext) };
+    let key = unsafe {
+        Key::compile(rel, &key, pg_sys::CacheMemoryContext, || {
+            format!(
+                "{table} changed since it was attached (a column renamed or dropped?): attach it again with \
+                 dedup.attach('{table}', <key>), or detach it."
+            )
+        })
+    };
     Attached { table, inbox, ttl, on_duplicate, key, stale: Cell::new(false) }
 }
 
