@@ -12,7 +12,6 @@ use crate::inbox::{self, Access, Inbox, Stmt};
 use crate::shmem::{Counter, WorkerSlot};
 use crate::xact::{self, in_transaction, try_transaction};
 use crate::{guc, ports, positions, rights};
-use pgrx::bgworkers::BackgroundWorker;
 use pgrx::prelude::*;
 use std::ffi::CStr;
 use std::sync::atomic::Ordering;
@@ -87,8 +86,9 @@ fn in_batches(limit: Option<i64>, mut batch: impl FnMut(i64) -> i64) -> i64 {
 }
 
 /// One purge cycle of the background worker over every inbox of this database, each batch in a transaction of its
-/// own, run with the table owner's rights. It stops between two batches when `keep_going` says so.
-pub fn purge_cycle(slot: &WorkerSlot, keep_going: impl Fn() -> bool) {
+/// own, run with the table owner's rights. Before each batch it calls `go_on(pause)`, which waits `pause`
+/// (`dedup.purge_batch_delay` after a full batch, zero otherwise) and says whether to go on.
+pub fn purge_cycle(slot: &WorkerSlot, go_on: impl Fn(Duration) -> bool) {
     let started = Instant::now();
     slot.last_cycle_start.store(unsafe { pg_sys::GetCurrentTimestamp() }, Ordering::Relaxed);
     let names = in_transaction("listing inboxes", inbox::all_names).unwrap_or_default();
@@ -97,10 +97,11 @@ pub fn purge_cycle(slot: &WorkerSlot, keep_going: impl Fn() -> bool) {
         n => n as i64,
     };
     let mut total = 0i64;
+    let mut pause = Duration::ZERO;
     for name in &names {
         let mut capped = false;
         loop {
-            if !keep_going() {
+            if !go_on(std::mem::take(&mut pause)) {
                 return;
             }
             let limit = (guc::PURGE_BATCH_SIZE.get() as i64).min(cap - total);
@@ -133,13 +134,10 @@ pub fn purge_cycle(slot: &WorkerSlot, keep_going: impl Fn() -> bool) {
             if deleted < limit {
                 break;
             }
-            let delay = guc::PURGE_BATCH_DELAY.get();
-            if delay > 0 && !BackgroundWorker::wait_latch(Some(Duration::from_millis(delay as u64))) {
-                return; // terminated, or the postmaster died
-            }
+            pause = Duration::from_millis(guc::PURGE_BATCH_DELAY.get() as u64);
         }
         record_backlog(name, capped);
-        purge_positions(name, &keep_going);
+        purge_positions(name, &go_on);
     }
     slot.cycles.fetch_add(1, Ordering::Relaxed);
     slot.last_cycle_micros.store(started.elapsed().as_micros() as i64, Ordering::Relaxed);
@@ -149,9 +147,10 @@ pub fn purge_cycle(slot: &WorkerSlot, keep_going: impl Fn() -> bool) {
 /// The expired positions (`advance()`) of inbox `name`, batch after batch, each in a transaction of its own, paced
 /// like the marks' batches. They belong to the extension's owner, whose rights `positions` takes (the worker is no
 /// table owner here).
-fn purge_positions(name: &str, keep_going: &impl Fn() -> bool) {
+fn purge_positions(name: &str, go_on: &impl Fn(Duration) -> bool) {
     let limit = guc::PURGE_BATCH_SIZE.get() as i64;
-    while keep_going() {
+    let mut pause = Duration::ZERO;
+    while go_on(std::mem::take(&mut pause)) {
         let batch = || {
             with_batch_timeout(|| {
                 let inbox = inbox::open(name, Access::Delete);
@@ -159,12 +158,8 @@ fn purge_positions(name: &str, keep_going: &impl Fn() -> bool) {
             })
         };
         match in_transaction(&format!("purging the positions of inbox \"{name}\""), batch) {
-            Some(deleted) if deleted == limit => {}
+            Some(deleted) if deleted == limit => pause = Duration::from_millis(guc::PURGE_BATCH_DELAY.get() as u64),
             _ => return,
-        }
-        let delay = guc::PURGE_BATCH_DELAY.get();
-        if delay > 0 && !BackgroundWorker::wait_latch(Some(Duration::from_millis(delay as u64))) {
-            return; // terminated, or the postmaster died
         }
     }
 }

@@ -15,11 +15,31 @@ use pgrx::bgworkers::{
 };
 use pgrx::prelude::*;
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 /// How often the launcher looks at its workers, and a worker at the filter.
 const NAP: Duration = Duration::from_secs(1);
+
+/// Has this process been asked to stop? pgrx's `sigterm_received()` (which `wait_latch()` reads too) clears the flag
+/// as it reads it, so the first reader remembers it here for the others: a SIGTERM that stopped a purge cycle between
+/// two batches must still make the worker leave (before, it was consumed there and a terminated worker ran on).
+static STOPPING: AtomicBool = AtomicBool::new(false);
+
+fn stopping() -> bool {
+    if BackgroundWorker::sigterm_received() {
+        STOPPING.store(true, Ordering::Relaxed);
+    }
+    STOPPING.load(Ordering::Relaxed)
+}
+
+/// Waits up to `timeout` for a signal; false once the process must stop (terminated, or the postmaster died).
+fn nap(timeout: Duration) -> bool {
+    if !BackgroundWorker::wait_latch(Some(timeout)) {
+        STOPPING.store(true, Ordering::Relaxed);
+    }
+    !stopping()
+}
 
 pub fn init_preloaded() {
     BackgroundWorkerBuilder::new("pg_dedup launcher")
@@ -47,7 +67,7 @@ pub extern "C-unwind" fn pg_dedup_launcher_main(_arg: pg_sys::Datum) {
         // again below.
         workers.retain(|_, worker| !matches!(worker.pid(), Err(BackgroundWorkerStatus::Stopped)));
         let Some(databases) = in_transaction("listing databases", databases) else {
-            if !BackgroundWorker::wait_latch(Some(NAP)) {
+            if !nap(NAP) {
                 exit_for_restart();
             }
             continue;
@@ -82,7 +102,7 @@ pub extern "C-unwind" fn pg_dedup_launcher_main(_arg: pg_sys::Datum) {
                 }
             }
         }
-        if !BackgroundWorker::wait_latch(Some(NAP)) {
+        if !nap(NAP) {
             exit_for_restart();
         }
     }
@@ -219,10 +239,11 @@ pub extern "C-unwind" fn pg_dedup_worker_main(arg: pg_sys::Datum) {
             in_transaction("looking after the Bloom filter", rebuild::look_after_filter);
             if guc::PURGE.get() && last_purge.is_none_or(|t| t.elapsed() >= interval) {
                 last_purge = Some(Instant::now());
-                // A cycle stops between two batches when the worker is asked to stop, or its database has left
-                // `dedup.database` (so that a DROP DATABASE after the reload need not wait for a long cycle).
-                purge::purge_cycle(slot, || {
-                    !BackgroundWorker::sigterm_received() && reload_and_still_listed(&database)
+                // A cycle pauses between two batches, and stops there when the worker is asked to stop, or its
+                // database has left `dedup.database` (so that a DROP DATABASE after the reload need not wait for a
+                // long cycle).
+                purge::purge_cycle(slot, |pause| {
+                    (pause.is_zero() || nap(pause)) && !stopping() && reload_and_still_listed(&database)
                 });
             }
         }
@@ -238,7 +259,7 @@ pub extern "C-unwind" fn pg_dedup_worker_main(arg: pg_sys::Datum) {
             (true, None) => Duration::ZERO,
             (true, Some(t)) => interval.saturating_sub(t.elapsed()),
         };
-        if !BackgroundWorker::wait_latch(Some(until_purge.clamp(Duration::from_millis(10), NAP))) {
+        if !nap(until_purge.clamp(Duration::from_millis(10), NAP)) {
             // Terminated (the launcher notices and starts a new worker, unless the database left the list), or
             // the postmaster died (then nothing is restarted).
             slot.pid.store(0, Ordering::Release);

@@ -144,6 +144,24 @@ fn the_worker_comes_back_after_pg_terminate_backend() {
     assert_eq!(workers, 1, "a restarted launcher must not start a second worker for the database");
 }
 
+/// A SIGTERM that arrives while a cycle pauses between two batches stops the cycle and the worker: it once stopped
+/// only the cycle (pgrx clears the flag as it reads it), and the terminated worker ran on.
+#[test]
+fn a_worker_terminated_between_two_batches_leaves() {
+    let cluster = purging("purge_midcycle", &["dedup.purge_batch_size = 10", "dedup.purge_batch_delay = 200"]);
+    let mut c = cluster.fresh_db("purge_midcycle");
+    expire_soon(&mut c, "m", 2000);
+    eventually("the purge is under way", || count(&mut c, "dedup.inbox_default") < 1990);
+    let pid = worker_pid(&mut c, "purge_midcycle").expect("the worker runs");
+    c.execute("SELECT pg_terminate_backend($1)", &[&pid]).unwrap();
+    eventually("the terminated worker leaves", || {
+        !c.query_one("SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)", &[&pid])
+            .unwrap()
+            .get::<_, bool>(0)
+    });
+    eventually("a new worker goes on purging", || count(&mut c, "dedup.inbox_default") < 1900);
+}
+
 #[test]
 fn a_config_reload_changes_the_interval() {
     let cluster = purging("purge_reload", &["dedup.purge_interval = '1h'"]);
