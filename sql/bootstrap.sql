@@ -25,15 +25,6 @@ CREATE TABLE dedup.inbox_registry (
 -- pg_dump keeps the registry rows; the default inbox's row is recreated by CREATE EXTENSION itself (finalize.sql).
 SELECT pg_catalog.pg_extension_config_dump('dedup.inbox_registry', 'WHERE name <> ''default''');
 
-CREATE VIEW dedup.inboxes AS
-SELECT r.name,
-       r.default_ttl,
-       c.oid::pg_catalog.regclass AS relation,
-       r.created_at
-  FROM dedup.inbox_registry r
-  LEFT JOIN pg_catalog.pg_class c
-         ON c.relname OPERATOR(pg_catalog.=) ('inbox_' OPERATOR(pg_catalog.||) r.name)
-        AND c.relnamespace OPERATOR(pg_catalog.=) 'dedup'::pg_catalog.regnamespace;
 
 -- Per-key positions of dedup.advance() (docs/ingest.md), for every inbox, apart from the inbox tables: a key of
 -- advance() and an id of mark() never meet. Written and read only by the extension's owner, on behalf of callers

@@ -6,6 +6,18 @@
 SELECT dedup.create_inbox('default', interval '3 days');
 SELECT pg_catalog.pg_extension_config_dump('dedup.inbox_default', '');
 
+-- Every inbox, with its table; `distributed` when Citus distributes it (docs/scale-out.md).
+CREATE VIEW dedup.inboxes AS
+SELECT r.name,
+       r.default_ttl,
+       c.oid::pg_catalog.regclass AS relation,
+       r.created_at,
+       dedup.is_distributed(c.oid) AS distributed
+  FROM dedup.inbox_registry r
+  LEFT JOIN pg_catalog.pg_class c
+         ON c.relname OPERATOR(pg_catalog.=) ('inbox_' OPERATOR(pg_catalog.||) r.name)
+        AND c.relnamespace OPERATOR(pg_catalog.=) 'dedup'::pg_catalog.regnamespace;
+
 -- The columns of pg_dedup 0.2.0 first, then those added since (so an update can CREATE OR REPLACE the view).
 CREATE VIEW dedup.stats AS
 SELECT i.inbox, i.marks, i.duplicates, i.renewals, i.purged, i.backlog, i.lookups, i.certainly_new,

@@ -16,6 +16,8 @@
 -- 5. Idempotency keys (docs/idempotency-keys.md): claim(), complete(), release() and fingerprint(), stored in the
 --    inboxes' own rows, which gain four columns (NULL for marks: no rewrite, and no byte more per mark), and
 --    dedup.stats gains their counters.
+-- 7. Scale-out (docs/scale-out.md): distribute_inbox() and undistribute_inbox() for Citus, and dedup.inboxes says
+--    which inboxes are distributed (a new column).
 -- 6. Ingest (docs/ingest.md): attach()/detach() and the dedup.attachments view deduplicate a table's inserts, and
 --    advance()/position() keep per-key positions in a table of their own, dedup.positions; dedup.stats counts
 --    both.
@@ -282,3 +284,25 @@ REVOKE ALL ON FUNCTION dedup.advance(text, bigint, text, interval), dedup."posit
     dedup.watch_drop() FROM PUBLIC;
 CREATE EVENT TRIGGER dedup_watch_drop ON sql_drop EXECUTE FUNCTION dedup.watch_drop();
 ALTER EVENT TRIGGER dedup_watch_drop ENABLE ALWAYS;
+
+-- 7. Scale-out: Citus (as in src/citus.rs and finalize.sql).
+CREATE FUNCTION dedup.distribute_inbox(name text, colocate_with regclass DEFAULT NULL) RETURNS void
+VOLATILE PARALLEL UNSAFE LANGUAGE c AS 'MODULE_PATHNAME', 'distribute_inbox_wrapper';
+CREATE FUNCTION dedup.undistribute_inbox("name" TEXT) RETURNS void
+VOLATILE PARALLEL UNSAFE LANGUAGE c AS 'MODULE_PATHNAME', 'undistribute_inbox_wrapper';
+CREATE FUNCTION dedup.is_distributed("relid" oid) RETURNS bool
+STABLE PARALLEL SAFE LANGUAGE c AS 'MODULE_PATHNAME', 'is_distributed_wrapper';
+CREATE FUNCTION dedup.xmin_is_mine("xmin" xid) RETURNS bool
+VOLATILE PARALLEL UNSAFE LANGUAGE c AS 'MODULE_PATHNAME', 'xmin_is_mine_wrapper';
+REVOKE ALL ON FUNCTION dedup.distribute_inbox(text, regclass), dedup.undistribute_inbox(text),
+    dedup.is_distributed(oid), dedup.xmin_is_mine(xid) FROM PUBLIC;
+CREATE OR REPLACE VIEW dedup.inboxes AS
+SELECT r.name,
+       r.default_ttl,
+       c.oid::pg_catalog.regclass AS relation,
+       r.created_at,
+       dedup.is_distributed(c.oid) AS distributed
+  FROM dedup.inbox_registry r
+  LEFT JOIN pg_catalog.pg_class c
+         ON c.relname OPERATOR(pg_catalog.=) ('inbox_' OPERATOR(pg_catalog.||) r.name)
+        AND c.relnamespace OPERATOR(pg_catalog.=) 'dedup'::pg_catalog.regnamespace;

@@ -40,9 +40,7 @@ fn probe(inbox: &Inbox, id: &str) -> Option<Found> {
     Spi::connect(|client| {
         let rows = inbox.run(client, Stmt::ClaimProbe, &[id.into()]);
         let row = rows.into_iter().next()?;
-        let xmin: u32 = row.get::<String>(6).ok().flatten().and_then(|x| x.parse().ok()).unwrap_or(0);
-        // SAFETY: a transaction id read from the row; the check only compares it with ours.
-        let mine = unsafe { pg_sys::TransactionIdIsCurrentTransactionId(pg_sys::TransactionId::from(xmin)) };
+        let mine = row.get::<bool>(6).ok().flatten().unwrap_or(false);
         // SAFETY: inside the SPI connection, a jsonb column.
         let result = row.get::<Jsonb>(3).ok().flatten().map(|r| unsafe { Jsonb::from_spi(r.datum()) });
         Some(Found {
@@ -263,6 +261,15 @@ fn release(id: Option<&str>, inbox: default!(Option<&str>, "'default'")) -> bool
         }
         _ => false,
     }
+}
+
+/// Internal (`claim()`'s statement form): was a row with this `xmin` written by the current transaction or one of
+/// its subtransactions? Evaluated where the row is, which for a Citus-distributed inbox is the node holding its
+/// shard, inside that node's part of the transaction.
+#[pg_extern(volatile, parallel_unsafe)]
+fn xmin_is_mine(xmin: Option<pg_sys::TransactionId>) -> bool {
+    // SAFETY: compares a transaction id with the backend's own.
+    xmin.is_some_and(|xmin| unsafe { pg_sys::TransactionIdIsCurrentTransactionId(xmin) })
 }
 
 /// Lower-case hex SHA-256 of `bytes`.

@@ -18,6 +18,7 @@
 //! - `stats`   — `dedup.stats`
 //! - `rights`  — acting as a table's owner (the worker's purge) or as the extension's owner (creating inboxes)
 //! - `catalog` — finding inbox tables in the catalogs
+//! - `citus`   — inboxes distributed with Citus: distribute_inbox(), and telling them apart
 //! - `clock`   — the time expiry is measured against
 //! - `xact`    — brackets that undo work on error: subtransactions, and the workers' transactions
 //! - `guc`     — every setting
@@ -29,6 +30,7 @@
 mod api;
 mod attach;
 mod catalog;
+mod citus;
 mod claim;
 mod clock;
 mod direct;

@@ -11,7 +11,7 @@ use crate::errors::server_log;
 use crate::inbox::{self, Access, Inbox, Stmt};
 use crate::shmem::{Counter, WorkerSlot};
 use crate::xact::{self, in_transaction, try_transaction};
-use crate::{guc, ports, positions, rights};
+use crate::{citus, guc, ports, positions, rights};
 use pgrx::prelude::*;
 use std::ffi::CStr;
 use std::sync::atomic::Ordering;
@@ -99,6 +99,15 @@ pub fn purge_cycle(slot: &WorkerSlot, go_on: impl Fn(Duration) -> bool) {
     let mut total = 0i64;
     let mut pause = Duration::ZERO;
     for name in &names {
+        // A distributed inbox is purged once, through Citus, by the coordinator's worker; every node has it
+        // registered (to use it there), and the others leave it alone.
+        let elsewhere = || {
+            let inbox = inbox::open(name, Access::Read);
+            inbox.shape().distributed && !citus::coordinator()
+        };
+        if in_transaction("looking at an inbox", elsewhere).unwrap_or(true) {
+            continue;
+        }
         let mut capped = false;
         loop {
             if !go_on(std::mem::take(&mut pause)) {

@@ -58,7 +58,11 @@ fn counter_rows() -> Vec<CounterRow> {
         .into_iter()
         .map(|name| {
             let inbox = inbox::open(&name, Access::Read);
-            let trigger = inbox.shape().trigger.label().to_owned();
+            let trigger = if inbox.shape().distributed {
+                "none: distributed".to_owned()
+            } else {
+                inbox.shape().trigger.label().to_owned()
+            };
             match Figures::of(&inbox) {
                 Some(f) => (
                     name,

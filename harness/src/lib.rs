@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 pub use postgres;
 
+pub mod citus;
 pub mod rabbitmq;
 pub mod replay;
 

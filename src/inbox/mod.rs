@@ -102,6 +102,8 @@ pub struct Shape {
     pub claim_columns: bool,
     /// The primary key's index (InvalidOid if an owner dropped it), which `direct::find` reads.
     pub pkey: pg_sys::Oid,
+    /// Distributed by Citus (`citus`): its rows live in shards elsewhere, and only SQL reaches them.
+    pub distributed: bool,
 }
 
 impl Shape {
@@ -117,7 +119,9 @@ impl Shape {
         let triggers = (*rel).trigdesc;
         let only_ours =
             triggers.is_null() || ((*triggers).numtriggers == 1 && trigger::is_guarding(&*(*triggers).triggers));
-        let plain = form.relkind == pg_sys::RELKIND_RELATION as std::ffi::c_char
+        let distributed = crate::citus::distributed((*rel).rd_id);
+        let plain = !distributed
+            && form.relkind == pg_sys::RELKIND_RELATION as std::ffi::c_char
             && form.reloftype != pg_sys::InvalidOid
             && !form.relispartition
             && !form.relrowsecurity
@@ -130,7 +134,7 @@ impl Shape {
             && (*rel).rd_rules.is_null()
             && only_ours;
         let claim_columns = (0..desc.len()).any(|i| column_is(i, "completed", pg_sys::BOOLOID));
-        Shape { trigger: State::of(rel), plain, claim_columns, pkey: crate::ports::primary_key_index(rel) }
+        Shape { trigger: State::of(rel), plain, claim_columns, pkey: crate::ports::primary_key_index(rel), distributed }
     }
 }
 
@@ -164,7 +168,7 @@ impl Inbox {
 
     /// The filter, if it may answer for this inbox right now: loaded, and guarded by the trigger.
     pub fn filter(&self) -> Option<Trusted> {
-        if self.shape().trigger != State::Guarding {
+        if self.shape().trigger != State::Guarding || self.shape().distributed {
             return None;
         }
         Trusted::for_inbox(self.ns)
@@ -191,7 +195,7 @@ impl Inbox {
     pub fn plan(&self, client: &SpiClient<'_>, stmt: Stmt) -> &OwnedPreparedStatement {
         self.plans[stmt.index()].get_or_init(|| {
             client
-                .prepare_mut(stmt.sql(&self.table, self.shape().claim_columns).as_str(), &stmt.arg_types())
+                .prepare_mut(stmt.sql(&self.table, self.shape()).as_str(), &stmt.arg_types())
                 .unwrap_or_else(|e| internal("preparing a statement", e))
                 .keep()
         })

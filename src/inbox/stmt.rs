@@ -57,9 +57,21 @@ impl Stmt {
         self as usize
     }
 
-    /// The statement's text for `table`; `claim_columns`: whether the table has the claim columns yet.
-    pub(super) fn sql(self, table: &str, claim_columns: bool) -> String {
+    /// The statement's text for `table` of shape `shape`: whether it has the claim columns yet, and whether Citus
+    /// distributes it (two statements then take a form Citus can run: the batch insert's RETURNING read through a
+    /// CTE, which Citus's INSERT ... SELECT otherwise miscounts under SPI, and the purge by id, as Citus refuses
+    /// ctids and FOR UPDATE across shards).
+    pub(super) fn sql(self, table: &str, shape: &super::Shape) -> String {
+        let claim_columns = shape.claim_columns;
         match self {
+            Stmt::InsertMany if shape.distributed => format!(
+                "WITH ins AS (INSERT INTO {table} (id, expires_at) SELECT u.id, $2 FROM pg_catalog.unnest($1) \
+                 WITH ORDINALITY AS u(id, n) ORDER BY u.n ON CONFLICT (id) DO NOTHING RETURNING id) SELECT id FROM ins"
+            ),
+            Stmt::PurgeBatch | Stmt::PurgeBatchUnlocked if shape.distributed => format!(
+                "DELETE FROM {table} WHERE id OPERATOR(pg_catalog.=) ANY (ARRAY(SELECT id FROM {table} \
+                 WHERE expires_at OPERATOR(pg_catalog.<=) $1 LIMIT $2))"
+            ),
             Stmt::Insert => format!(
                 "INSERT INTO {table} (id, expires_at) VALUES ($1, $2) ON CONFLICT (id) DO NOTHING RETURNING true"
             ),
@@ -92,8 +104,9 @@ impl Stmt {
                 "DELETE FROM {table} WHERE ctid OPERATOR(pg_catalog.=) ANY (ARRAY(SELECT ctid FROM {table} \
                  WHERE expires_at OPERATOR(pg_catalog.<=) $1 LIMIT $2))"
             ),
+            // Whether the row is this transaction's is decided where the row is: on the node holding its shard.
             Stmt::ClaimProbe => format!(
-                "SELECT expires_at, fingerprint, result, lease_until, completed, xmin::text FROM {table} \
+                "SELECT expires_at, fingerprint, result, lease_until, completed, dedup.xmin_is_mine(xmin) FROM {table} \
                  WHERE id OPERATOR(pg_catalog.=) $1"
             ),
             Stmt::ClaimInsert => format!(

@@ -1,0 +1,73 @@
+//! A throwaway Citus cluster on one machine: a coordinator and two workers, each a `Cluster` of its own with Citus
+//! and pg_dedup preloaded, talking to each other over their unix sockets (a node's name is its socket directory).
+//! Every database a test uses gets Citus and pg_dedup on every node, and the workers added to its metadata.
+
+use crate::{pg_config, pg_config_value, Cluster};
+use postgres::Client;
+use std::path::Path;
+
+pub struct CitusCluster {
+    pub coordinator: Cluster,
+    pub workers: Vec<Cluster>,
+}
+
+/// Is Citus installed into the PostgreSQL under test? (When not, the Citus tests say so and skip.)
+pub fn available() -> bool {
+    let sharedir = pg_config_value(&pg_config(), "--sharedir");
+    Path::new(&sharedir).join("extension/citus.control").exists()
+}
+
+impl CitusCluster {
+    /// Starts the three nodes; pg_dedup's background workers look after `databases` on each.
+    pub fn start(databases: &str, extra: &[&str]) -> CitusCluster {
+        let dedup_database = format!("dedup.database = '{databases}'");
+        let mut conf = vec![
+            "shared_preload_libraries = 'citus, pg_dedup'",
+            dedup_database.as_str(),
+            "max_prepared_transactions = 50",
+            "max_connections = 100",
+            // Citus connects between nodes over unix sockets here, where SSL does not apply.
+            "citus.node_conninfo = 'sslmode=disable'",
+        ];
+        conf.extend_from_slice(extra);
+        let start = || Cluster::start(&conf);
+        let coordinator = start();
+        let workers = vec![start(), start()];
+        CitusCluster { coordinator, workers }
+    }
+
+    /// Every node, coordinator first.
+    pub fn nodes(&self) -> impl Iterator<Item = &Cluster> {
+        std::iter::once(&self.coordinator).chain(&self.workers)
+    }
+
+    /// Creates database `name` on every node with Citus then pg_dedup, and adds the workers to its metadata.
+    /// Returns a connection to the coordinator.
+    pub fn fresh_db(&self, name: &str) -> Client {
+        for node in self.nodes() {
+            let mut admin = node.connect("postgres");
+            admin.batch_execute(&format!("DROP DATABASE IF EXISTS {name}")).expect("drop db");
+            admin.batch_execute(&format!("CREATE DATABASE {name}")).expect("create db");
+            node.connect(name).batch_execute("CREATE EXTENSION citus").expect("CREATE EXTENSION citus");
+        }
+        let mut c = self.coordinator.connect(name);
+        c.batch_execute(&format!(
+            "SELECT pg_catalog.citus_set_coordinator_host('{}', 5432)",
+            self.coordinator.socket_dir().display()
+        ))
+        .expect("citus_set_coordinator_host");
+        for worker in &self.workers {
+            c.batch_execute(&format!("SELECT pg_catalog.citus_add_node('{}', 5432)", worker.socket_dir().display()))
+                .expect("citus_add_node");
+        }
+        // Propagated to the workers by Citus.
+        c.batch_execute("CREATE EXTENSION pg_dedup").expect("CREATE EXTENSION pg_dedup");
+        c
+    }
+
+    pub fn destroy(&self) {
+        for node in self.nodes() {
+            node.destroy();
+        }
+    }
+}

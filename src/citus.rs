@@ -1,0 +1,201 @@
+//! Inboxes distributed with Citus (docs/scale-out.md): `distribute_inbox()` makes an inbox's table a Citus
+//! hash-distributed table on `id` (optionally co-located with a business table), `undistribute_inbox()` brings it
+//! back to one node.
+//!
+//! A distributed inbox's rows live in shards on the worker nodes; the table on the coordinator (and the copy of it
+//! on each worker) is a shell that holds none of them. So every path that touches the local heap or indexes stands
+//! aside for it, and everything goes through SQL, which Citus plans and routes:
+//! - `Shape` says `distributed`; such an inbox is never `plain` (no direct insert, lookup or update);
+//! - the Bloom filter never answers for it (its rows are written on other nodes, where no trigger of ours sets
+//!   bits): its filter trigger is dropped when it is distributed, it is never loaded, and the worker does not
+//!   repair its trigger;
+//! - the statements Citus cannot run take a form it can (`inbox::Stmt`): the batch insert inside a CTE, the purge
+//!   by id instead of by ctid.
+//!
+//! Whether a table is distributed is read from `pg_dist_partition`, which Citus keeps on the coordinator and, with
+//! metadata synced, on every worker. Citus invalidates a table's relcache entry when that changes, which drops the
+//! inbox's cached shape with it.
+
+use crate::errors::{internal, raise};
+use crate::inbox::{self, Access};
+use crate::{input, rights, trigger};
+use pgrx::prelude::*;
+
+/// Is Citus installed in this database?
+pub fn installed() -> bool {
+    // SAFETY: a catalog lookup by name; missing_ok = true gives InvalidOid.
+    unsafe { pg_sys::get_extension_oid(c"citus".as_ptr(), true) != pg_sys::InvalidOid }
+}
+
+/// Does Citus hold table `relid`'s rows elsewhere (a distributed, reference or Citus-local table: any entry in
+/// `pg_dist_partition`)? Read from the catalog directly, with no SQL and no privilege needed.
+pub fn distributed(relid: pg_sys::Oid) -> bool {
+    if !installed() {
+        return false;
+    }
+    // SAFETY: looks up Citus's catalog table and its index by name (both exist where the extension does), scans the
+    // index for `relid` with a catalog snapshot, and closes everything before returning.
+    unsafe {
+        let catalog = pg_sys::get_relname_relid(c"pg_dist_partition".as_ptr(), pg_sys::Oid::from(pg_sys::PG_CATALOG_NAMESPACE));
+        let index =
+            pg_sys::get_relname_relid(c"pg_dist_partition_logical_relid_index".as_ptr(), pg_sys::Oid::from(pg_sys::PG_CATALOG_NAMESPACE));
+        if catalog == pg_sys::InvalidOid || index == pg_sys::InvalidOid {
+            return false;
+        }
+        let rel = pg_sys::table_open(catalog, pg_sys::AccessShareLock as pg_sys::LOCKMODE);
+        let mut key = pg_sys::ScanKeyData::default();
+        pg_sys::ScanKeyInit(
+            &mut key,
+            1,
+            pg_sys::BTEqualStrategyNumber as pg_sys::StrategyNumber,
+            pg_sys::Oid::from(pg_sys::F_OIDEQ),
+            pg_sys::Datum::from(relid),
+        );
+        let scan = pg_sys::systable_beginscan(rel, index, true, std::ptr::null_mut(), 1, &mut key);
+        let found = !pg_sys::systable_getnext(scan).is_null();
+        pg_sys::systable_endscan(scan);
+        pg_sys::table_close(rel, pg_sys::AccessShareLock as pg_sys::LOCKMODE);
+        found
+    }
+}
+
+/// Is this node the Citus coordinator (where Citus is installed)?
+pub fn coordinator() -> bool {
+    installed()
+        && Spi::get_one::<i32>("SELECT groupid FROM pg_catalog.pg_dist_local_group")
+            .unwrap_or_else(|e| internal("reading pg_dist_local_group", e))
+            == Some(0)
+}
+
+/// Refuses what `distribute_inbox()` and `undistribute_inbox()` cannot do here: no Citus, or not its coordinator.
+fn require_coordinator(function: &str) {
+    if !installed() {
+        raise(
+            PgSqlErrorCode::ERRCODE_FEATURE_NOT_SUPPORTED,
+            format!("{function}() needs Citus, which is not installed in this database"),
+            "Install Citus (CREATE EXTENSION citus) on every node first; see docs/scale-out.md.",
+        )
+    }
+    if !coordinator() {
+        raise(
+            PgSqlErrorCode::ERRCODE_FEATURE_NOT_SUPPORTED,
+            format!("{function}() runs on the Citus coordinator, and this is a worker node"),
+            "Connect to the coordinator and call it there.",
+        )
+    }
+}
+
+/// The inbox's table and default ttl, for a caller allowed to administer it (as `drop_inbox()` requires: the role
+/// that created it, the extension's owner or a superuser).
+fn administered(function: &str, name: &str) -> (pg_sys::Oid, String, Interval) {
+    let inbox = inbox::open(name, Access::Delete);
+    let caller = rights::caller();
+    let administers = Spi::get_one_with_args::<bool>(
+        "SELECT pg_catalog.has_table_privilege($1, $2, 'DELETE WITH GRANT OPTION')",
+        &[caller.into(), inbox.relid.into()],
+    )
+    .unwrap_or_else(|e| internal("checking who administers the inbox", e));
+    if administers != Some(true) {
+        raise(
+            PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
+            format!("permission denied to {function}() inbox \"{name}\""),
+            "An inbox is distributed by the role that created it, the extension's owner or a superuser.",
+        )
+    }
+    (inbox.relid, inbox.table.clone(), inbox.default_ttl)
+}
+
+/// Makes inbox `name`'s table a Citus table distributed by hash on `id`, co-located with `colocate_with` (a table
+/// distributed on a `text COLLATE "C"` column) when given, so that a mark and a write to the same key are one
+/// single-shard transaction.
+#[pg_extern(sql = "
+    CREATE FUNCTION dedup.distribute_inbox(name text, colocate_with regclass DEFAULT NULL) RETURNS void
+    VOLATILE PARALLEL UNSAFE LANGUAGE c AS 'MODULE_PATHNAME', 'distribute_inbox_wrapper';
+")]
+fn distribute_inbox(name: Option<&str>, colocate_with: Option<pg_sys::Oid>) {
+    input::require_writable("distribute_inbox");
+    require_coordinator("distribute_inbox");
+    let name = input::inbox_name(name);
+    let (relid, table, ttl) = administered("distribute_inbox", name);
+    if distributed(relid) {
+        raise(
+            PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
+            format!("inbox \"{name}\" is distributed already"),
+            "dedup.inboxes shows which inboxes are; dedup.undistribute_inbox() brings one back to this node.",
+        )
+    }
+    let colocate = match colocate_with {
+        Some(oid) => Spi::get_one_with_args::<String>("SELECT $1::pg_catalog.regclass::pg_catalog.text", &[oid.into()])
+            .unwrap_or_else(|e| internal("naming the co-location table", e))
+            .unwrap_or_default(),
+        None => "default".to_owned(),
+    };
+    rights::as_extension_owner("distribute_inbox", || {
+        Spi::connect_mut(|client| {
+            // Its rows will be written on the workers, where the filter trigger would set nothing that answers here.
+            client
+                .update(&format!("DROP TRIGGER IF EXISTS {} ON {table}", trigger::NAME), None, &[])
+                .unwrap_or_else(|e| internal("dropping the filter trigger", e));
+            client
+                .update(
+                    "SELECT pg_catalog.create_distributed_table($1::pg_catalog.regclass, 'id', colocate_with => $2)",
+                    None,
+                    &[relid.into(), colocate.as_str().into()],
+                )
+                .unwrap_or_else(|e| internal("distributing the inbox table", e));
+            // Rows the table held were copied into the shards; the copies left in the shell are dead weight.
+            client
+                .update(
+                    "SELECT pg_catalog.truncate_local_data_after_distributing_table($1::pg_catalog.regclass)",
+                    None,
+                    &[relid.into()],
+                )
+                .unwrap_or_else(|e| internal("emptying the local table", e));
+            // Workers with Citus's metadata have the shell too: registered there, the inbox works there as well.
+            let register = format!(
+                "INSERT INTO dedup.inbox_registry (name, default_ttl) VALUES ({}, {}) ON CONFLICT (name) DO NOTHING",
+                pgrx::spi::quote_literal(name),
+                pgrx::spi::quote_literal(ttl.to_string())
+            );
+            client
+                .update("SELECT pg_catalog.run_command_on_workers($1)", None, &[register.as_str().into()])
+                .unwrap_or_else(|e| internal("registering the inbox on the workers", e));
+        })
+    });
+}
+
+/// Brings distributed inbox `name` back to this node: its rows come back into the local table (Citus's
+/// `undistribute_table()`), and its filter trigger is put back.
+#[pg_extern(volatile, parallel_unsafe)]
+fn undistribute_inbox(name: Option<&str>) {
+    input::require_writable("undistribute_inbox");
+    require_coordinator("undistribute_inbox");
+    let name = input::inbox_name(name);
+    let (relid, table, _) = administered("undistribute_inbox", name);
+    if !distributed(relid) {
+        raise(
+            PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
+            format!("inbox \"{name}\" is not distributed"),
+            "dedup.inboxes shows which inboxes are.",
+        )
+    }
+    rights::as_extension_owner("undistribute_inbox", || {
+        Spi::connect_mut(|client| {
+            client
+                .update("SELECT pg_catalog.undistribute_table($1::pg_catalog.regclass)", None, &[relid.into()])
+                .unwrap_or_else(|e| internal("undistributing the inbox table", e));
+            client.update(&trigger::create_sql(&table), None, &[]).unwrap_or_else(|e| internal("re-creating the filter trigger", e));
+            let unregister =
+                format!("DELETE FROM dedup.inbox_registry WHERE name = {}", pgrx::spi::quote_literal(name));
+            client
+                .update("SELECT pg_catalog.run_command_on_workers($1)", None, &[unregister.as_str().into()])
+                .unwrap_or_else(|e| internal("unregistering the inbox on the workers", e));
+        })
+    });
+}
+
+/// `dedup.inboxes.distributed`: is inbox table `relid` distributed by Citus?
+#[pg_extern(stable, parallel_safe, name = "is_distributed")]
+fn is_distributed(relid: Option<pg_sys::Oid>) -> bool {
+    relid.is_some_and(distributed)
+}
