@@ -18,8 +18,9 @@
 
 use crate::errors::{internal, raise};
 use crate::inbox::{self, Access};
-use crate::{input, rights, trigger};
+use crate::{guc, input, rights, trigger};
 use pgrx::prelude::*;
+use std::ffi::CStr;
 
 /// Is Citus installed in this database?
 pub fn installed() -> bool {
@@ -36,9 +37,12 @@ pub fn distributed(relid: pg_sys::Oid) -> bool {
     // SAFETY: looks up Citus's catalog table and its index by name (both exist where the extension does), scans the
     // index for `relid` with a catalog snapshot, and closes everything before returning.
     unsafe {
-        let catalog = pg_sys::get_relname_relid(c"pg_dist_partition".as_ptr(), pg_sys::Oid::from(pg_sys::PG_CATALOG_NAMESPACE));
-        let index =
-            pg_sys::get_relname_relid(c"pg_dist_partition_logical_relid_index".as_ptr(), pg_sys::Oid::from(pg_sys::PG_CATALOG_NAMESPACE));
+        let catalog =
+            pg_sys::get_relname_relid(c"pg_dist_partition".as_ptr(), pg_sys::Oid::from(pg_sys::PG_CATALOG_NAMESPACE));
+        let index = pg_sys::get_relname_relid(
+            c"pg_dist_partition_logical_relid_index".as_ptr(),
+            pg_sys::Oid::from(pg_sys::PG_CATALOG_NAMESPACE),
+        );
         if catalog == pg_sys::InvalidOid || index == pg_sys::InvalidOid {
             return false;
         }
@@ -125,9 +129,15 @@ fn distribute_inbox(name: Option<&str>, colocate_with: Option<pg_sys::Oid>) {
         )
     }
     let colocate = match colocate_with {
-        Some(oid) => Spi::get_one_with_args::<String>("SELECT $1::pg_catalog.regclass::pg_catalog.text", &[oid.into()])
-            .unwrap_or_else(|e| internal("naming the co-location table", e))
-            .unwrap_or_default(),
+        // Qualified: it is resolved again below, under the extension owner's search_path.
+        Some(oid) => Spi::get_one_with_args::<String>(
+            "SELECT pg_catalog.format('%I.%I', n.nspname, c.relname) FROM pg_catalog.pg_class c
+               JOIN pg_catalog.pg_namespace n ON n.oid OPERATOR(pg_catalog.=) c.relnamespace
+              WHERE c.oid OPERATOR(pg_catalog.=) $1",
+            &[oid.into()],
+        )
+        .unwrap_or_else(|e| internal("naming the co-location table", e))
+        .unwrap_or_default(),
         None => "default".to_owned(),
     };
     rights::as_extension_owner("distribute_inbox", || {
@@ -184,7 +194,9 @@ fn undistribute_inbox(name: Option<&str>) {
             client
                 .update("SELECT pg_catalog.undistribute_table($1::pg_catalog.regclass)", None, &[relid.into()])
                 .unwrap_or_else(|e| internal("undistributing the inbox table", e));
-            client.update(&trigger::create_sql(&table), None, &[]).unwrap_or_else(|e| internal("re-creating the filter trigger", e));
+            client
+                .update(&trigger::create_sql(&table), None, &[])
+                .unwrap_or_else(|e| internal("re-creating the filter trigger", e));
             let unregister =
                 format!("DELETE FROM dedup.inbox_registry WHERE name = {}", pgrx::spi::quote_literal(name));
             client
@@ -192,6 +204,27 @@ fn undistribute_inbox(name: Option<&str>) {
                 .unwrap_or_else(|e| internal("unregistering the inbox on the workers", e));
         })
     });
+}
+
+/// Runs `f` with `lock_timeout` at `timeout` on this node and on every worker its statements reach: a distributed
+/// inbox's rows, and so the waits for them, are on the workers, where a setting made here does not apply. A
+/// `SET LOCAL` does, with `citus.propagate_set_commands = 'local'`: Citus sends it to the workers already in the
+/// transaction and to those it opens later in it. It stays until the transaction ends, so the previous value is put
+/// back the same way; when `f` fails, the caller's subtransaction (rolled back here and on the workers) undoes both.
+pub fn with_lock_timeout<R>(timeout: &CStr, f: impl FnOnce() -> R) -> R {
+    let set = |value: &str| {
+        Spi::run(&format!("SET LOCAL lock_timeout = {}", pgrx::spi::quote_literal(value)))
+            .unwrap_or_else(|e| internal("setting lock_timeout on the workers", e))
+    };
+    guc::with_setting(c"citus.propagate_set_commands", c"local", || {
+        let previous = Spi::get_one::<String>("SELECT pg_catalog.current_setting('lock_timeout')")
+            .unwrap_or_else(|e| internal("reading lock_timeout", e))
+            .unwrap_or_default();
+        set(&timeout.to_string_lossy());
+        let result = f();
+        set(&previous);
+        result
+    })
 }
 
 /// `dedup.inboxes.distributed`: is inbox table `relid` distributed by Citus?

@@ -19,7 +19,7 @@ use crate::errors::{raise, raise_with_sqlstate, sqlstate};
 use crate::inbox::{self, Access, Inbox, Stmt};
 use crate::jsonb::Jsonb;
 use crate::shmem::Counter;
-use crate::{claim, guc, input, xact};
+use crate::{claim, input, xact};
 use pgrx::prelude::*;
 
 /// Largest result `complete()` stores: jsonb, its size decompressed.
@@ -63,7 +63,7 @@ fn wrote(inbox: &Inbox, stmt: Stmt, args: &[pgrx::datum::DatumWithOid<'_>]) -> b
 /// Runs `stmt` without waiting for a row or key another transaction holds: None if it would have had to wait.
 fn wrote_at_once(inbox: &Inbox, stmt: Stmt, args: &[pgrx::datum::DatumWithOid<'_>]) -> Option<bool> {
     xact::undo_on(PgSqlErrorCode::ERRCODE_LOCK_NOT_AVAILABLE, || {
-        guc::with_setting(c"lock_timeout", c"1ms", || wrote(inbox, stmt, args))
+        inbox.with_lock_timeout(c"1ms", || wrote(inbox, stmt, args))
     })
 }
 

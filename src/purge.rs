@@ -40,9 +40,7 @@ pub enum HeldRows {
 pub fn purge_batch(inbox: &Inbox, now: TimestampWithTimeZone, limit: i64, held: HeldRows) -> i64 {
     let run = |stmt| Spi::connect(|client| inbox.run(client, stmt, &[now.into(), limit.into()]).len()) as i64;
     let deleted = match held {
-        HeldRows::WaitBriefly => {
-            guc::with_setting(c"lock_timeout", HELD_ROW_PATIENCE, || run(Stmt::PurgeBatchUnlocked))
-        }
+        HeldRows::WaitBriefly => inbox.with_lock_timeout(HELD_ROW_PATIENCE, || run(Stmt::PurgeBatchUnlocked)),
         HeldRows::Skip => run(Stmt::PurgeBatch),
     };
     inbox.count(Counter::Purged, deleted as u64);

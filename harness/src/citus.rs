@@ -25,6 +25,8 @@ impl CitusCluster {
             "shared_preload_libraries = 'citus, pg_dedup'",
             dedup_database.as_str(),
             "max_prepared_transactions = 50",
+            // Tests call recover_prepared_transactions() themselves, and count pg_dist_transaction undisturbed.
+            "citus.recover_2pc_interval = -1",
             "max_connections = 100",
             // Citus connects between nodes over unix sockets here, where SSL does not apply.
             "citus.node_conninfo = 'sslmode=disable'",
@@ -33,7 +35,15 @@ impl CitusCluster {
         let start = || Cluster::start(&conf);
         let coordinator = start();
         let workers = vec![start(), start()];
-        CitusCluster { coordinator, workers }
+        let cluster = CitusCluster { coordinator, workers };
+        // A node connects to itself too (moving a shard, for one) by `citus.local_hostname`: its own socket.
+        for node in cluster.nodes() {
+            let mut c = node.connect("postgres");
+            c.batch_execute(&format!("ALTER SYSTEM SET citus.local_hostname = '{}'", node.socket_dir().display()))
+                .expect("set citus.local_hostname");
+            c.batch_execute("SELECT pg_reload_conf()").expect("reload");
+        }
+        cluster
     }
 
     /// Every node, coordinator first.

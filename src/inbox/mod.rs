@@ -174,6 +174,16 @@ impl Inbox {
         Trusted::for_inbox(self.ns)
     }
 
+    /// Runs `f` waiting at most `timeout` for a lock: where the inbox's rows are, so on the Citus workers for a
+    /// distributed inbox (`citus::with_lock_timeout`), here otherwise.
+    pub fn with_lock_timeout<R>(&self, timeout: &std::ffi::CStr, f: impl FnOnce() -> R) -> R {
+        if self.shape().distributed {
+            crate::citus::with_lock_timeout(timeout, f)
+        } else {
+            crate::guc::with_setting(c"lock_timeout", timeout, f)
+        }
+    }
+
     /// Adds `n` to one of the inbox's counters in `dedup.stats` (nothing without preloading).
     pub fn count(&self, counter: shmem::Counter, n: u64) {
         if let (Some(entry), true) = (self.entry, n > 0) {
