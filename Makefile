@@ -63,9 +63,13 @@ test: setup
 
 # Benchmarks (optimised build of the extension) against hand-written SQL, pg_test_fsync and Redis; BENCH_QUICK=1 for
 # a short run (under 2 minutes; the full run takes about 18), BENCH_ONLY=clients,growth for some sections only.
+# The Citus section runs on PostgreSQL $(CITUS_PG), where scripts/setup.sh builds Citus (skipped when it did not).
+CITUS_PG ?= 18
 bench: setup
 	@scripts/pg.sh install_extension $(DEMO_PG) --release
-	@PG_CONFIG=$$(scripts/pg.sh pg_config_for $(DEMO_PG)) cargo run -q --release -p pg_dedup_bench --bin bench
+	@scripts/pg.sh install_extension $(CITUS_PG) --release
+	@PG_CONFIG=$$(scripts/pg.sh pg_config_for $(DEMO_PG)) CITUS_PG_CONFIG=$$(scripts/pg.sh pg_config_for $(CITUS_PG)) \
+	  cargo run -q --release -p pg_dedup_bench --bin bench
 
 # Release builds packaged for users (scripts/package.sh): a tarball per major in PG_VERSIONS and a .deb for each that
 # is Debian's own PostgreSQL (15). package-test installs the .deb with dpkg -i, uses it in a fresh cluster, removes it

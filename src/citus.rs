@@ -129,15 +129,7 @@ fn distribute_inbox(name: Option<&str>, colocate_with: Option<pg_sys::Oid>) {
         )
     }
     let colocate = match colocate_with {
-        // Qualified: it is resolved again below, under the extension owner's search_path.
-        Some(oid) => Spi::get_one_with_args::<String>(
-            "SELECT pg_catalog.format('%I.%I', n.nspname, c.relname) FROM pg_catalog.pg_class c
-               JOIN pg_catalog.pg_namespace n ON n.oid OPERATOR(pg_catalog.=) c.relnamespace
-              WHERE c.oid OPERATOR(pg_catalog.=) $1",
-            &[oid.into()],
-        )
-        .unwrap_or_else(|e| internal("naming the co-location table", e))
-        .unwrap_or_default(),
+        Some(table) => colocation_target(name, table),
         None => "default".to_owned(),
     };
     rights::as_extension_owner("distribute_inbox", || {
@@ -172,6 +164,49 @@ fn distribute_inbox(name: Option<&str>, colocate_with: Option<pg_sys::Oid>) {
                 .unwrap_or_else(|e| internal("registering the inbox on the workers", e));
         })
     });
+}
+
+/// The qualified name of `table`, which inbox `name` can be co-located with: a table Citus distributes by hash on
+/// a column of the inbox id's type and collation (`text COLLATE "C"`); otherwise a `dedup:` error that says what
+/// is wrong (Citus would refuse too, with less to go on). Qualified, since it is resolved again under the extension
+/// owner's search_path.
+fn colocation_target(name: &str, table: pg_sys::Oid) -> String {
+    let row = Spi::get_three_with_args::<String, String, bool>(
+        "SELECT pg_catalog.format('%I.%I', n.nspname, c.relname),
+                pg_catalog.format_type(a.atttypid, a.atttypmod) || coalesce(' COLLATE ' || pg_catalog.quote_ident(co.collname), ''),
+                a.atttypid OPERATOR(pg_catalog.=) 'pg_catalog.text'::pg_catalog.regtype
+                  AND co.collname OPERATOR(pg_catalog.=) 'C'
+           FROM pg_catalog.pg_class c
+           JOIN pg_catalog.pg_namespace n ON n.oid OPERATOR(pg_catalog.=) c.relnamespace
+           LEFT JOIN pg_catalog.pg_dist_partition p
+                  ON p.logicalrelid OPERATOR(pg_catalog.=) c.oid AND p.partmethod OPERATOR(pg_catalog.=) 'h'
+           LEFT JOIN pg_catalog.pg_attribute a
+                  ON a.attrelid OPERATOR(pg_catalog.=) c.oid
+                 AND a.attname OPERATOR(pg_catalog.=) pg_catalog.column_to_column_name(c.oid, p.partkey)
+           LEFT JOIN pg_catalog.pg_collation co ON co.oid OPERATOR(pg_catalog.=) a.attcollation
+          WHERE c.oid OPERATOR(pg_catalog.=) $1",
+        &[table.into()],
+    )
+    .unwrap_or_else(|e| internal("looking at the co-location table", e));
+    match row {
+        (Some(qualified), _, Some(true)) => qualified,
+        (Some(qualified), None, _) => raise(
+            PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
+            format!("cannot co-locate inbox \"{name}\" with {qualified}: Citus does not distribute it by hash"),
+            "Distribute it first, on a text COLLATE \"C\" column: SELECT create_distributed_table('<table>', '<column>').",
+        ),
+        (qualified, column_type, _) => raise(
+            PgSqlErrorCode::ERRCODE_DATATYPE_MISMATCH,
+            format!(
+                "cannot co-locate inbox \"{name}\" with {}: it is distributed on a column of type {}, and an \
+                 inbox's id is text COLLATE \"C\"",
+                qualified.unwrap_or_default(),
+                column_type.unwrap_or_default()
+            ),
+            "Co-located rows need equal distribution values: distribute the table on a text COLLATE \"C\" column \
+             (docs/scale-out.md).",
+        ),
+    }
 }
 
 /// Brings distributed inbox `name` back to this node: its rows come back into the local table (Citus's
@@ -231,4 +266,37 @@ pub fn with_lock_timeout<R>(timeout: &CStr, f: impl FnOnce() -> R) -> R {
 #[pg_extern(stable, parallel_safe, name = "is_distributed")]
 fn is_distributed(relid: Option<pg_sys::Oid>) -> bool {
     relid.is_some_and(distributed)
+}
+
+#[cfg(any(test, feature = "pg_test"))]
+#[pgrx::pg_schema]
+mod tests {
+    use crate::testing::*;
+    use pgrx::prelude::*;
+
+    #[pg_test]
+    fn citus_distributing_without_citus_is_refused() {
+        assert!(!super::installed(), "these tests run without Citus (tests/citus.rs has a cluster with it)");
+        run("SELECT dedup.create_inbox('citus_none')");
+        assert_dedup_error(
+            "SELECT dedup.distribute_inbox('citus_none')",
+            PgSqlErrorCode::ERRCODE_FEATURE_NOT_SUPPORTED,
+        );
+        assert_dedup_error(
+            "SELECT dedup.undistribute_inbox('citus_none')",
+            PgSqlErrorCode::ERRCODE_FEATURE_NOT_SUPPORTED,
+        );
+        let (_, message) = error_of("SELECT dedup.distribute_inbox('citus_none')");
+        assert!(message.contains("needs Citus"), "{message}");
+    }
+
+    #[pg_test]
+    fn citus_a_one_node_inbox_is_not_distributed() {
+        run("SELECT dedup.create_inbox('citus_plain')");
+        assert!(!one::<bool>("SELECT distributed FROM dedup.inboxes WHERE name = 'citus_plain'"));
+        assert!(!one::<bool>("SELECT dedup.is_distributed(NULL)"));
+        assert!(
+            one::<String>("SELECT filter_trigger FROM dedup.stats WHERE inbox = 'citus_plain'") != "none: distributed"
+        );
+    }
 }

@@ -5,10 +5,11 @@
 //! table, for GitHub) and .svg (the ratios and the growth curve).
 //!
 //! BENCH_QUICK=1 runs fewer rounds on smaller inputs (under two minutes); BENCH_ONLY=clients,growth runs only the
-//! sections named (filter, expiry, clients, idempotency, instructions, growth) and writes no results files; BENCH_VERBOSE=1 prints every
+//! sections named (filter, expiry, clients, idempotency, ingest, instructions, citus, growth) and writes no results files; BENCH_VERBOSE=1 prints every
 //! client-side run.
 
 mod chart;
+mod citus;
 mod clients;
 mod compare;
 mod expiry;
@@ -244,6 +245,7 @@ fn main() {
     section("idempotency", &mut |c| idempotency::scenarios(c, &pgbench, &scale));
     section("ingest", &mut |c| ingest::scenarios(c, &scale));
     section("instructions", &mut |_| instructions::scenarios(&scale));
+    section("citus", &mut |_| citus::scenarios(&scale));
     section("growth", &mut |c| {
         let (rows, points) = growth::scenarios(c, &pgbench, &scale);
         curve = points;

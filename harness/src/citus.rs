@@ -13,13 +13,24 @@ pub struct CitusCluster {
 
 /// Is Citus installed into the PostgreSQL under test? (When not, the Citus tests say so and skip.)
 pub fn available() -> bool {
-    let sharedir = pg_config_value(&pg_config(), "--sharedir");
+    available_in(&pg_config())
+}
+
+/// Is Citus installed into the PostgreSQL that `pg_config` belongs to?
+pub fn available_in(pg_config: &Path) -> bool {
+    let sharedir = pg_config_value(pg_config, "--sharedir");
     Path::new(&sharedir).join("extension/citus.control").exists()
 }
 
 impl CitusCluster {
-    /// Starts the three nodes; pg_dedup's background workers look after `databases` on each.
+    /// Starts the three nodes of the PostgreSQL under test; pg_dedup's background workers look after `databases`
+    /// on each.
     pub fn start(databases: &str, extra: &[&str]) -> CitusCluster {
+        CitusCluster::start_of(&pg_config(), databases, extra)
+    }
+
+    /// The same, of the PostgreSQL that `pg_config` belongs to (the benchmark's Citus runs on another major).
+    pub fn start_of(pg_config: &Path, databases: &str, extra: &[&str]) -> CitusCluster {
         let dedup_database = format!("dedup.database = '{databases}'");
         let mut conf = vec![
             "shared_preload_libraries = 'citus, pg_dedup'",
@@ -32,7 +43,11 @@ impl CitusCluster {
             "citus.node_conninfo = 'sslmode=disable'",
         ];
         conf.extend_from_slice(extra);
-        let start = || Cluster::start(&conf);
+        let start = || {
+            let node = Cluster::init(pg_config, &[], &conf);
+            node.pg_ctl_start();
+            node
+        };
         let coordinator = start();
         let workers = vec![start(), start()];
         let cluster = CitusCluster { coordinator, workers };

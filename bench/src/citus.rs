@@ -1,0 +1,82 @@
+//! Scale-out (issue 16): `mark()` on an inbox distributed with Citus against the hand-written distributed
+//! `INSERT ... ON CONFLICT DO NOTHING` through Citus, new ids, at 1 and 8 clients, sync off, on a three-node cluster
+//! on this machine (a coordinator and two workers). And, for docs/scale-out.md, what the hop through the
+//! coordinator costs a mark: the distributed mark against a mark into an inbox of the coordinator itself.
+//!
+//! Citus supports PostgreSQL 16 and later, and the benchmark's main cluster is PostgreSQL 15: this section runs on
+//! the PostgreSQL that CITUS_PG_CONFIG names (the Makefile passes PostgreSQL 18's, where scripts/setup.sh builds
+//! Citus, and installs the release build of pg_dedup there). Without it, or without Citus there, it says so and
+//! adds no rows.
+
+use crate::compare::{compare, Setting, Side};
+use crate::pgbench::{Commit, Pgbench};
+use crate::{Goal, Row, Scale};
+use pg_dedup_harness::citus::{self, CitusCluster};
+use std::path::PathBuf;
+
+pub fn scenarios(scale: &Scale) -> Vec<Row> {
+    let Some(pg_config) = std::env::var_os("CITUS_PG_CONFIG").map(PathBuf::from) else {
+        eprintln!("[bench] citus: skipped (CITUS_PG_CONFIG is not set; `make bench` sets it)");
+        return Vec::new();
+    };
+    if !citus::available_in(&pg_config) {
+        eprintln!("[bench] citus: skipped (Citus is not installed into {})", pg_config.display());
+        return Vec::new();
+    }
+    let cluster = CitusCluster::start_of(&pg_config, "", &["max_connections = 200"]);
+    let mut c = cluster.fresh_db("bench");
+    c.batch_execute(
+        r#"SELECT dedup.create_inbox('dist', '3 days');
+           SELECT dedup.distribute_inbox('dist');
+           SELECT dedup.create_inbox('local', '3 days');
+           CREATE TABLE hand_keys (id text COLLATE "C" PRIMARY KEY, expires_at timestamptz NOT NULL);
+           SELECT create_distributed_table('hand_keys', 'id');"#,
+    )
+    .unwrap();
+    let pgbench = Pgbench::new(&cluster.coordinator, "bench");
+    let new_id = "\\set r random(1, 1000000000000000)\n";
+    let mark = "SELECT dedup.mark('n-' || :r, NULL, 'dist');\n";
+    let insert = "INSERT INTO hand_keys VALUES ('n-' || :r, now() + interval '3 days') ON CONFLICT DO NOTHING;\n";
+    // In a transaction, as a consumer runs them (with its business write): Citus opens the worker's transaction,
+    // runs the statement and commits it, three round trips, on both sides.
+    let in_tx = |name: &str, statement: &str| pgbench.script(name, &format!("{new_id}BEGIN;\n{statement}COMMIT;\n"));
+    let ours_tx = in_tx("citus_mark_tx", mark);
+    let hand_tx = in_tx("citus_hand_tx", insert);
+    // Alone in autocommit: Citus sends the bare INSERT as one single-shard command (one round trip), but a statement
+    // run by a function as a transaction of its own (three), since the statement around the function may still fail.
+    let ours = pgbench.script("citus_mark", &format!("{new_id}{mark}"));
+    let hand = pgbench.script("citus_hand", &format!("{new_id}{insert}"));
+    let one_node = pgbench.script("citus_local", &format!("{new_id}SELECT dedup.mark('n-' || :r, NULL, 'local');\n"));
+    let mut rows = Vec::new();
+    for clients in [1, 8] {
+        let setting = Setting { clients, commit: Commit::Async, secs: scale.run_secs, rounds: scale.rounds };
+        let sides = [ours_tx.clone(), hand_tx.clone(), ours.clone(), hand.clone(), one_node.clone()]
+            .map(|script| Side::Sql { script, ids: 1 });
+        let m = compare(&mut c, &pgbench, &setting, &sides);
+        let at = setting.label();
+        rows.push(
+            Row::new(
+                &format!("Citus: mark() on a distributed inbox vs INSERT ... ON CONFLICT through Citus, in a transaction, {at}"),
+                ("mark, distributed", m[0].rate),
+                ("hand-written", m[1].rate),
+                "ids/s",
+            )
+            .goal(Goal::AtLeast(1.0)),
+        );
+        rows.push(Row::new(
+            &format!("Citus: the same, each alone in autocommit, {at}"),
+            ("mark, distributed", m[2].rate),
+            ("hand-written", m[3].rate),
+            "ids/s",
+        ));
+        rows.push(Row::new(
+            &format!("Citus: mark() distributed vs into the coordinator's own inbox, autocommit, {at}"),
+            ("distributed", m[2].rate),
+            ("one node", m[4].rate),
+            "ids/s",
+        ));
+    }
+    drop(c);
+    cluster.destroy();
+    rows
+}
