@@ -294,8 +294,8 @@ CREATE FUNCTION dedup.is_distributed("relid" oid) RETURNS bool
 STABLE PARALLEL SAFE LANGUAGE c AS 'MODULE_PATHNAME', 'is_distributed_wrapper';
 CREATE FUNCTION dedup.xmin_is_mine("xmin" xid) RETURNS bool
 VOLATILE PARALLEL UNSAFE LANGUAGE c AS 'MODULE_PATHNAME', 'xmin_is_mine_wrapper';
-REVOKE ALL ON FUNCTION dedup.distribute_inbox(text, regclass), dedup.undistribute_inbox(text),
-    dedup.is_distributed(oid), dedup.xmin_is_mine(xid) FROM PUBLIC;
+REVOKE ALL ON FUNCTION dedup.distribute_inbox(text, regclass), dedup.undistribute_inbox(text) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION dedup.is_distributed(oid), dedup.xmin_is_mine(xid) TO PUBLIC;
 CREATE OR REPLACE VIEW dedup.inboxes AS
 SELECT r.name,
        r.default_ttl,

@@ -120,6 +120,14 @@ fn distribute_inbox(name: Option<&str>, colocate_with: Option<pg_sys::Oid>) {
     input::require_writable("distribute_inbox");
     require_coordinator("distribute_inbox");
     let name = input::inbox_name(name);
+    if name == inbox::DEFAULT_INBOX {
+        raise(
+            PgSqlErrorCode::ERRCODE_FEATURE_NOT_SUPPORTED,
+            "the default inbox cannot be distributed",
+            "It belongs to the extension (pg_dump keeps it with it); create an inbox of your own with \
+             dedup.create_inbox() and distribute that.",
+        )
+    }
     let (relid, table, ttl) = administered("distribute_inbox", name);
     if distributed(relid) {
         raise(
@@ -155,13 +163,12 @@ fn distribute_inbox(name: Option<&str>, colocate_with: Option<pg_sys::Oid>) {
                 .unwrap_or_else(|e| internal("emptying the local table", e));
             // Workers with Citus's metadata have the shell too: registered there, the inbox works there as well.
             let register = format!(
-                "INSERT INTO dedup.inbox_registry (name, default_ttl) VALUES ({}, {}) ON CONFLICT (name) DO NOTHING",
+                "INSERT INTO dedup.inbox_registry (name, default_ttl) VALUES ({}, {}) \
+                 ON CONFLICT (name) DO UPDATE SET default_ttl = excluded.default_ttl",
                 pgrx::spi::quote_literal(name),
                 pgrx::spi::quote_literal(ttl.to_string())
             );
-            client
-                .update("SELECT pg_catalog.run_command_on_workers($1)", None, &[register.as_str().into()])
-                .unwrap_or_else(|e| internal("registering the inbox on the workers", e));
+            on_workers(client, &register, "register the inbox on");
         })
     });
 }
@@ -229,14 +236,15 @@ fn undistribute_inbox(name: Option<&str>) {
             client
                 .update("SELECT pg_catalog.undistribute_table($1::pg_catalog.regclass)", None, &[relid.into()])
                 .unwrap_or_else(|e| internal("undistributing the inbox table", e));
+            // Citus re-creates the table from its columns, untyped: an inbox table is of the inbox row type (the
+            // catalog finds inboxes by it, and the direct paths want it).
+            client
+                .update(&format!("ALTER TABLE {table} OF dedup.inbox_row"), None, &[])
+                .unwrap_or_else(|e| internal("typing the undistributed table", e));
             client
                 .update(&trigger::create_sql(&table), None, &[])
                 .unwrap_or_else(|e| internal("re-creating the filter trigger", e));
-            let unregister =
-                format!("DELETE FROM dedup.inbox_registry WHERE name = {}", pgrx::spi::quote_literal(name));
-            client
-                .update("SELECT pg_catalog.run_command_on_workers($1)", None, &[unregister.as_str().into()])
-                .unwrap_or_else(|e| internal("unregistering the inbox on the workers", e));
+            unregister_on_workers(client, name);
         })
     });
 }
@@ -260,6 +268,34 @@ pub fn with_lock_timeout<R>(timeout: &CStr, f: impl FnOnce() -> R) -> R {
         set(&previous);
         result
     })
+}
+
+/// Runs `command` on every worker (Citus's `run_command_on_workers`, each in a transaction of its own there); a
+/// worker where it failed makes a `dedup:` error naming it.
+fn on_workers(client: &mut pgrx::spi::SpiClient<'_>, command: &str, what: &str) {
+    let failed = client
+        .select(
+            "SELECT pg_catalog.string_agg(nodename || ':' || nodeport || ': ' || result, '; ')
+               FROM pg_catalog.run_command_on_workers($1) WHERE NOT success",
+            None,
+            &[command.into()],
+        )
+        .and_then(|rows| rows.first().get_one::<String>())
+        .unwrap_or_else(|e| internal("running a command on the workers", e));
+    if let Some(failed) = failed {
+        raise(
+            PgSqlErrorCode::ERRCODE_CONNECTION_FAILURE,
+            format!("could not {what} every worker node: {failed}"),
+            "Every node needs pg_dedup (CREATE EXTENSION on the coordinator creates it on the workers Citus knows); \
+             fix the node and call the function again.",
+        )
+    }
+}
+
+/// Removes inbox `name` from the workers' registries (it was undistributed or dropped on the coordinator).
+pub fn unregister_on_workers(client: &mut pgrx::spi::SpiClient<'_>, name: &str) {
+    let unregister = format!("DELETE FROM dedup.inbox_registry WHERE name = {}", pgrx::spi::quote_literal(name));
+    on_workers(client, &unregister, "unregister the inbox on");
 }
 
 /// `dedup.inboxes.distributed`: is inbox table `relid` distributed by Citus?

@@ -97,17 +97,15 @@ pub fn purge_cycle(slot: &WorkerSlot, go_on: impl Fn(Duration) -> bool) {
     let mut total = 0i64;
     let mut pause = Duration::ZERO;
     for name in &names {
-        // A distributed inbox is purged once, through Citus, by the coordinator's worker; every node has it
-        // registered (to use it there), and the others leave it alone.
+        // A distributed inbox's marks are purged once, through Citus, by the coordinator's worker; every node has
+        // it registered (to use it there), and the others leave its marks alone. Positions are each node's own.
         let elsewhere = || {
             let inbox = inbox::open(name, Access::Read);
             inbox.shape().distributed && !citus::coordinator()
         };
-        if in_transaction("looking at an inbox", elsewhere).unwrap_or(true) {
-            continue;
-        }
+        let marks_here = !in_transaction("looking at an inbox", elsewhere).unwrap_or(true);
         let mut capped = false;
-        loop {
+        while marks_here {
             if !go_on(std::mem::take(&mut pause)) {
                 return;
             }
@@ -143,7 +141,9 @@ pub fn purge_cycle(slot: &WorkerSlot, go_on: impl Fn(Duration) -> bool) {
             }
             pause = Duration::from_millis(guc::PURGE_BATCH_DELAY.get() as u64);
         }
-        record_backlog(name, capped);
+        if marks_here {
+            record_backlog(name, capped);
+        }
         purge_positions(name, &go_on);
     }
     slot.cycles.fetch_add(1, Ordering::Relaxed);

@@ -181,6 +181,22 @@ fn what_cannot_be_distributed_is_refused() {
     let err = c.batch_execute("SELECT dedup.distribute_inbox('more', 'default_collation')").unwrap_err();
     assert!(message(&err).contains(r#"an inbox's id is text COLLATE "C""#), "{err:?}");
     assert_eq!(sqlstate(&err), "42804");
+    let err = c.batch_execute("SELECT dedup.distribute_inbox('default')").unwrap_err();
+    assert!(message(&err).contains("default inbox cannot be distributed"), "{err:?}");
+    // Dropping a distributed inbox unregisters it on the workers too.
+    c.batch_execute("SELECT dedup.create_inbox('gone'); SELECT dedup.distribute_inbox('gone')").unwrap();
+    let registered_on_workers = |c: &mut Client| -> i64 {
+        c.query_one(
+            "SELECT sum(result::bigint)::bigint FROM run_command_on_workers(
+                 $$SELECT count(*) FROM dedup.inbox_registry WHERE name = 'gone'$$)",
+            &[],
+        )
+        .unwrap()
+        .get(0)
+    };
+    assert_eq!(registered_on_workers(&mut c), 2);
+    c.batch_execute("SELECT dedup.drop_inbox('gone')").unwrap();
+    assert_eq!(registered_on_workers(&mut c), 0, "drop_inbox() unregistered it on the workers");
     let mut w = cluster.workers[0].connect("refusals");
     w.batch_execute("SELECT dedup.create_inbox('local')").unwrap();
     let err = w.batch_execute("SELECT dedup.distribute_inbox('local')").unwrap_err();
@@ -480,6 +496,20 @@ fn undistribute_brings_the_inbox_back() {
         .unwrap();
     assert_eq!((row.get::<_, bool>(0), row.get::<_, i64>(1)), (false, 200));
     assert!(!mark(&mut c, "u7") && mark(&mut c, "u201") && seen(&mut c, "u201"));
+    let typed: bool = c
+        .query_one(
+            "SELECT reloftype = 'dedup.inbox_row'::regtype FROM pg_class WHERE oid = 'dedup.inbox_orders'::regclass",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert!(typed, "an inbox table again (of the inbox row type), which the filter and the direct paths serve");
+    let on_worker: i64 = cluster.workers[0]
+        .connect("undistribute")
+        .query_one("SELECT count(*) FROM dedup.inbox_registry WHERE name = 'orders'", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(on_worker, 0, "unregistered on the workers");
     let trigger: String =
         c.query_one("SELECT filter_trigger FROM dedup.stats WHERE inbox = 'orders'", &[]).unwrap().get(0);
     assert!(!trigger.contains("distributed"), "{trigger}");

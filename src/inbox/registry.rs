@@ -228,6 +228,9 @@ pub fn drop(name: &str) {
                         ),
                     )
                 }
+                if crate::citus::distributed(relid) {
+                    crate::citus::unregister_on_workers(client, name);
+                }
                 client
                     .update(&format!("DROP TABLE {table}"), None, &[])
                     .unwrap_or_else(|e| internal("dropping the inbox table", e));

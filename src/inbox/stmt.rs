@@ -68,9 +68,12 @@ impl Stmt {
                 "WITH ins AS (INSERT INTO {table} (id, expires_at) SELECT u.id, $2 FROM pg_catalog.unnest($1) \
                  WITH ORDINALITY AS u(id, n) ORDER BY u.n ON CONFLICT (id) DO NOTHING RETURNING id) SELECT id FROM ins"
             ),
+            // The outer test of expires_at again: a row renewed by a mark between the two (the subquery runs
+            // first, as a step of its own) keeps its id, and the DELETE's recheck of the new version must see
+            // that it is live. (By ctid, the new version's ctid is not in the list.)
             Stmt::PurgeBatch | Stmt::PurgeBatchUnlocked if shape.distributed => format!(
                 "DELETE FROM {table} WHERE id OPERATOR(pg_catalog.=) ANY (ARRAY(SELECT id FROM {table} \
-                 WHERE expires_at OPERATOR(pg_catalog.<=) $1 LIMIT $2))"
+                 WHERE expires_at OPERATOR(pg_catalog.<=) $1 LIMIT $2)) AND expires_at OPERATOR(pg_catalog.<=) $1"
             ),
             Stmt::Insert => format!(
                 "INSERT INTO {table} (id, expires_at) VALUES ($1, $2) ON CONFLICT (id) DO NOTHING RETURNING true"
