@@ -16,11 +16,11 @@
 -- 5. Idempotency keys (docs/idempotency-keys.md): claim(), complete(), release() and fingerprint(), stored in the
 --    inboxes' own rows, which gain four columns (NULL for marks: no rewrite, and no byte more per mark), and
 --    dedup.stats gains their counters.
--- 7. Scale-out (docs/scale-out.md): distribute_inbox() and undistribute_inbox() for Citus, and dedup.inboxes says
---    which inboxes are distributed (a new column).
 -- 6. Ingest (docs/ingest.md): attach()/detach() and the dedup.attachments view deduplicate a table's inserts, and
 --    advance()/position() keep per-key positions in a table of their own, dedup.positions; dedup.stats counts
 --    both.
+-- 7. Scale-out (docs/scale-out.md): distribute_inbox() and undistribute_inbox() for Citus, and dedup.inboxes says
+--    which inboxes are distributed (a new column).
 \echo Use "ALTER EXTENSION pg_dedup UPDATE TO '0.3.0'" to load this file. \quit
 
 ALTER TYPE dedup.inbox_row

@@ -4,10 +4,9 @@
 use crate::errors::internal;
 use pgrx::prelude::*;
 
-/// Every inbox table of this database (schema dedup, of type dedup.inbox_row) whose rows are here, registered or
-/// not, from the catalogs as this transaction sees them: no privilege on the registry is needed. Inboxes Citus
-/// distributes are left out: their rows are on other nodes, so the filter neither loads nor guards them.
-pub fn tables() -> Vec<pg_sys::Oid> {
+/// Every inbox table of this database (schema dedup, of type dedup.inbox_row), registered or not, distributed or
+/// not, from the catalogs as this transaction sees them: no privilege on the registry is needed.
+pub fn inbox_tables() -> Vec<pg_sys::Oid> {
     Spi::connect(|client| {
         client
             .select(
@@ -20,9 +19,19 @@ pub fn tables() -> Vec<pg_sys::Oid> {
             )
             .unwrap_or_else(|e| internal("listing inbox tables", e))
             .filter_map(|row| row.get::<pg_sys::Oid>(1).ok().flatten())
-            .filter(|relid| !crate::citus::distributed(*relid))
             .collect()
     })
+}
+
+/// The inbox tables whose rows are here: those Citus distributes are left out (their rows are on other nodes, so
+/// the filter neither loads nor guards them).
+pub fn tables() -> Vec<pg_sys::Oid> {
+    local(inbox_tables())
+}
+
+/// Of `tables`, those Citus does not distribute.
+pub fn local(tables: Vec<pg_sys::Oid>) -> Vec<pg_sys::Oid> {
+    tables.into_iter().filter(|relid| !crate::citus::distributed(*relid)).collect()
 }
 
 /// The schema-qualified, quoted name of table `relid` of schema dedup (None if it is gone).

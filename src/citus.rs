@@ -89,23 +89,11 @@ fn require_coordinator(function: &str) {
     }
 }
 
-/// The inbox's table and default ttl, for a caller allowed to administer it (as `drop_inbox()` requires: the role
-/// that created it, the extension's owner or a superuser).
-fn administered(function: &str, name: &str) -> (pg_sys::Oid, String, Interval) {
+/// The inbox's table and default ttl, for a caller allowed to administer it (as `drop_inbox()` requires).
+fn administered(verb: &str, name: &str) -> (pg_sys::Oid, String, Interval) {
     let inbox = inbox::open(name, Access::Delete);
     let caller = rights::caller();
-    let administers = Spi::get_one_with_args::<bool>(
-        "SELECT pg_catalog.has_table_privilege($1, $2, 'DELETE WITH GRANT OPTION')",
-        &[caller.into(), inbox.relid.into()],
-    )
-    .unwrap_or_else(|e| internal("checking who administers the inbox", e));
-    if administers != Some(true) {
-        raise(
-            PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
-            format!("permission denied to {function}() inbox \"{name}\""),
-            "An inbox is distributed by the role that created it, the extension's owner or a superuser.",
-        )
-    }
+    Spi::connect(|client| inbox::require_administrator(&client, caller, inbox.relid, name, verb));
     (inbox.relid, inbox.table.clone(), inbox.default_ttl)
 }
 
@@ -128,7 +116,7 @@ fn distribute_inbox(name: Option<&str>, colocate_with: Option<pg_sys::Oid>) {
              dedup.create_inbox() and distribute that.",
         )
     }
-    let (relid, table, ttl) = administered("distribute_inbox", name);
+    let (relid, table, ttl) = administered("distribute", name);
     if distributed(relid) {
         raise(
             PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
@@ -178,6 +166,20 @@ fn distribute_inbox(name: Option<&str>, colocate_with: Option<pg_sys::Oid>) {
 /// is wrong (Citus would refuse too, with less to go on). Qualified, since it is resolved again under the extension
 /// owner's search_path.
 fn colocation_target(name: &str, table: pg_sys::Oid) -> String {
+    // Co-location ties the inbox's shards to the table's (they move together): only for the table's owners.
+    let owns = Spi::get_one_with_args::<bool>(
+        "SELECT pg_catalog.pg_has_role($1, c.relowner, 'USAGE') FROM pg_catalog.pg_class c
+          WHERE c.oid OPERATOR(pg_catalog.=) $2",
+        &[rights::caller().into(), table.into()],
+    )
+    .unwrap_or_else(|e| internal("checking who owns the co-location table", e));
+    if owns != Some(true) {
+        raise(
+            PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
+            format!("permission denied to co-locate inbox \"{name}\" with a table the caller does not own"),
+            "Co-locate it with a table you own, or ask the table's owner to call dedup.distribute_inbox().",
+        )
+    }
     let row = Spi::get_three_with_args::<String, String, bool>(
         "SELECT pg_catalog.format('%I.%I', n.nspname, c.relname),
                 pg_catalog.format_type(a.atttypid, a.atttypmod) || coalesce(' COLLATE ' || pg_catalog.quote_ident(co.collname), ''),
@@ -223,7 +225,7 @@ fn undistribute_inbox(name: Option<&str>) {
     input::require_writable("undistribute_inbox");
     require_coordinator("undistribute_inbox");
     let name = input::inbox_name(name);
-    let (relid, table, _) = administered("undistribute_inbox", name);
+    let (relid, table, _) = administered("undistribute", name);
     if !distributed(relid) {
         raise(
             PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,

@@ -9,6 +9,7 @@
 //! - `positions` — advance() and position(): per-key positions of ordered streams
 //! - `direct`  — inbox rows read and written without the executor: certainly-new ids, one id's row, completions
 //! - `inbox`   — inbox tables: their statements, the registry, and the per-backend cache
+//! - `relcache` — per-backend caches of what is built from a table, made stale by the table's invalidations
 //! - `filter`  — the shared-memory Bloom filter in front of the indexes (preloaded only)
 //! - `trigger` — the filter trigger on every inbox table, and the DDL watch that keeps the filter honest about it
 //! - `rebuild` — loading inbox tables into the filter, and the worker's upkeep of it
@@ -45,6 +46,7 @@ mod ports;
 mod positions;
 mod purge;
 mod rebuild;
+mod relcache;
 mod rights;
 mod shmem;
 mod stats;

@@ -89,7 +89,8 @@ fn in_batches(limit: Option<i64>, mut batch: impl FnMut(i64) -> i64) -> i64 {
 pub fn purge_cycle(slot: &WorkerSlot, go_on: impl Fn(Duration) -> bool) {
     let started = Instant::now();
     slot.last_cycle_start.store(unsafe { pg_sys::GetCurrentTimestamp() }, Ordering::Relaxed);
-    let names = in_transaction("listing inboxes", inbox::all_names).unwrap_or_default();
+    let (names, coordinator) =
+        in_transaction("listing inboxes", || (inbox::all_names(), citus::coordinator())).unwrap_or_default();
     let cap = match guc::PURGE_MAX_ROWS_PER_CYCLE.get() {
         0 => i64::MAX,
         n => n as i64,
@@ -101,7 +102,7 @@ pub fn purge_cycle(slot: &WorkerSlot, go_on: impl Fn(Duration) -> bool) {
         // it registered (to use it there), and the others leave its marks alone. Positions are each node's own.
         let elsewhere = || {
             let inbox = inbox::open(name, Access::Read);
-            inbox.shape().distributed && !citus::coordinator()
+            inbox.shape().distributed && !coordinator
         };
         let marks_here = !in_transaction("looking at an inbox", elsewhere).unwrap_or(true);
         let mut capped = false;

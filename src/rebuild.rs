@@ -201,11 +201,12 @@ thread_local! {
 /// ends: it must not last as long as the load that follows.)
 pub fn repair_triggers() {
     let Some(region) = shmem::region() else { return };
-    let tables = catalog::tables();
+    let tables = catalog::inbox_tables();
     // SAFETY: reads a backend global, set once connected.
     let database = unsafe { pg_sys::MyDatabaseId };
+    // Distributed inboxes keep theirs: their counters count the calls made here.
     region.free_entries(|ns| shmem::database_of(ns) == database && !tables.contains(&shmem::relation_of(ns)));
-    for relid in filter::untrusted(&tables) {
+    for relid in filter::untrusted(&catalog::local(tables)) {
         repair_trigger(relid);
     }
 }

@@ -1,17 +1,16 @@
 //! The `zz_dedup_attached` trigger (BEFORE INSERT, for each row, enabled always) and the per-backend cache of what
 //! it needs per table: the attachment, and its key compiled for that table (a partition gets its own). Relcache
 //! invalidations of the table (attach() and detach() re-create or drop the trigger; ALTER TABLE renames or drops
-//! columns) mark an entry stale; it is rebuilt at the next row, never freed from inside the callback.
+//! columns) make an entry stale (`relcache`); it is rebuilt at the next row.
 
 use super::key::Key;
 use super::{qualified_name, OnDuplicate, TRIGGER};
 use crate::claim;
 use crate::errors::{internal, raise};
 use crate::inbox::{self, Access};
+use crate::relcache::{self, Stale};
 use crate::shmem::Counter;
 use pgrx::prelude::*;
-use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
 use std::rc::Rc;
 
 /// What the trigger needs for one table.
@@ -21,28 +20,17 @@ struct Attached {
     ttl: Option<Interval>,
     on_duplicate: OnDuplicate,
     key: Key,
-    stale: Cell<bool>,
+    stale: Stale,
+}
+
+impl relcache::Entry for Attached {
+    fn stale(&self) -> &Stale {
+        &self.stale
+    }
 }
 
 thread_local! {
-    static CACHE: RefCell<HashMap<pg_sys::Oid, Rc<Attached>>> = RefCell::new(HashMap::new());
-    static CALLBACK_REGISTERED: Cell<bool> = const { Cell::new(false) };
-    /// Some entry went stale since the last sweep.
-    static SOME_STALE: Cell<bool> = const { Cell::new(false) };
-}
-
-#[pg_guard]
-unsafe extern "C-unwind" fn on_relcache_invalidation(_arg: pg_sys::Datum, relid: pg_sys::Oid) {
-    CACHE.with(|cache| {
-        if let Ok(cache) = cache.try_borrow() {
-            for (table, attached) in cache.iter() {
-                if relid == pg_sys::InvalidOid || relid == *table {
-                    attached.stale.set(true);
-                    SOME_STALE.set(true);
-                }
-            }
-        }
-    });
+    static CACHE: relcache::Cache<pg_sys::Oid, Attached> = relcache::Cache::default();
 }
 
 /// An attachment as the registry holds it: key, inbox, ttl, on_duplicate.
@@ -125,7 +113,7 @@ unsafe fn load(rel: pg_sys::Relation) -> Attached {
             )
         })
     };
-    Attached { table, inbox, ttl, on_duplicate, key, stale: Cell::new(false) }
+    Attached { table, inbox, ttl, on_duplicate, key, stale: Stale::of(relid) }
 }
 
 /// The cached attachment of the trigger's table, (re)built when missing or stale.
@@ -133,22 +121,14 @@ unsafe fn load(rel: pg_sys::Relation) -> Attached {
 /// # Safety
 /// As for `load`.
 unsafe fn attached(rel: pg_sys::Relation) -> Rc<Attached> {
-    if !CALLBACK_REGISTERED.with(|r| r.replace(true)) {
-        // SAFETY: registers a guarded callback for the rest of the backend's life (there is no unregistering).
-        unsafe { pg_sys::CacheRegisterRelcacheCallback(Some(on_relcache_invalidation), pg_sys::Datum::from(0)) };
-    }
     // SAFETY: the caller vouches for the relation.
     let relid = unsafe { (*rel).rd_id };
-    // Stale entries go first (an entry in use further up the stack lives on through its Rc).
-    if SOME_STALE.replace(false) {
-        CACHE.with(|c| c.borrow_mut().retain(|_, attached| !attached.stale.get()));
-    }
-    if let Some(attached) = CACHE.with(|c| c.borrow().get(&relid).cloned()) {
+    if let Some(attached) = CACHE.with(|c| c.get(&relid)) {
         return attached;
     }
     // SAFETY: as above.
     let attached = Rc::new(unsafe { load(rel) });
-    CACHE.with(|c| c.borrow_mut().insert(relid, attached.clone()));
+    CACHE.with(|c| c.insert(relid, attached.clone()));
     attached
 }
 

@@ -1,53 +1,23 @@
 //! The per-backend cache of open inboxes: name → table, default TTL and prepared statements, so a call neither
-//! parses nor plans SQL. Relcache invalidations (DROP TABLE, ALTER TABLE, ...) mark entries stale; they are reloaded
-//! at the next call, never freed from inside the invalidation callback (a plan may be running): the next `open`
-//! removes every stale entry (an inbox dropped for good must not keep its plans for the life of a pooled
-//! connection).
+//! parses nor plans SQL. Relcache invalidations (DROP TABLE, ALTER TABLE, ...) make entries stale (`relcache`);
+//! they are reloaded at the next call.
 
 use super::{registry, Access, Inbox};
 use crate::errors::raise;
+use crate::relcache;
 use pgrx::prelude::*;
-use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
 use std::rc::Rc;
 
 thread_local! {
-    static CACHE: RefCell<HashMap<String, Rc<Inbox>>> = RefCell::new(HashMap::new());
-    static CALLBACK_REGISTERED: Cell<bool> = const { Cell::new(false) };
-    /// Some entry went stale since the last sweep.
-    static SOME_STALE: Cell<bool> = const { Cell::new(false) };
-}
-
-#[pg_guard]
-unsafe extern "C-unwind" fn on_relcache_invalidation(_arg: pg_sys::Datum, relid: pg_sys::Oid) {
-    CACHE.with(|cache| {
-        if let Ok(cache) = cache.try_borrow() {
-            for inbox in cache.values() {
-                if relid == pg_sys::InvalidOid || relid == inbox.relid {
-                    inbox.stale.set(true);
-                    SOME_STALE.set(true);
-                }
-            }
-        }
-    });
+    static CACHE: relcache::Cache<String, Inbox> = relcache::Cache::default();
 }
 
 /// Finds an inbox, checks the caller's privileges on its table and locks it for `access`.
 pub fn open(name: &str, access: Access) -> Rc<Inbox> {
-    if !CALLBACK_REGISTERED.with(|r| r.replace(true)) {
-        // SAFETY: registers a guarded callback for the rest of the backend's life (there is no unregistering).
-        unsafe { pg_sys::CacheRegisterRelcacheCallback(Some(on_relcache_invalidation), pg_sys::Datum::from(0)) };
-    }
     loop {
-        if SOME_STALE.replace(false) {
-            // Dropping an entry frees its plans; one still in use elsewhere (an Rc held up the stack) goes with
-            // its last user.
-            CACHE.with(|c| c.borrow_mut().retain(|_, inbox| !inbox.stale.get()));
-        }
-        let cached = CACHE.with(|c| c.borrow().get(name).cloned()).filter(|inbox| !inbox.stale.get());
-        let inbox = cached.unwrap_or_else(|| {
+        let inbox = CACHE.with(|c| c.get(&name.to_owned())).unwrap_or_else(|| {
             let inbox = Rc::new(registry::load(name));
-            CACHE.with(|c| c.borrow_mut().insert(name.to_owned(), inbox.clone()));
+            CACHE.with(|c| c.insert(name.to_owned(), inbox.clone()));
             inbox
         });
         // Lock as the executor would, before running any plan. Taking the lock waits for a transaction dropping
@@ -67,8 +37,7 @@ pub fn open(name: &str, access: Access) -> Rc<Inbox> {
             )
         };
         if !exists {
-            inbox.stale.set(true);
-            SOME_STALE.set(true);
+            inbox.stale.set();
         }
         if inbox.stale.get() {
             continue;

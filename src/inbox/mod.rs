@@ -11,7 +11,7 @@ mod registry;
 mod stmt;
 
 pub use cache::open;
-pub use registry::{all_names, create, drop};
+pub use registry::{all_names, create, drop, require_administrator};
 pub use stmt::Stmt;
 
 use crate::errors::internal;
@@ -20,7 +20,7 @@ use crate::shmem;
 use crate::trigger::{self, State};
 use pgrx::prelude::*;
 use pgrx::spi::{OwnedPreparedStatement, SpiClient, SpiTupleTable};
-use std::cell::{Cell, OnceCell};
+use std::cell::OnceCell;
 use stmt::STATEMENT_COUNT;
 
 pub const SCHEMA: &str = "dedup";
@@ -71,7 +71,7 @@ pub struct Inbox {
     /// Its state and counters in shared memory (None without preloading, or when that table is full), looked up
     /// once per backend rather than on every count.
     entry: Option<&'static shmem::Entry>,
-    stale: Cell<bool>,
+    stale: crate::relcache::Stale,
     plans: [OnceCell<OwnedPreparedStatement>; STATEMENT_COUNT],
     shape: OnceCell<Shape>,
 }
@@ -138,6 +138,12 @@ impl Shape {
     }
 }
 
+impl crate::relcache::Entry for Inbox {
+    fn stale(&self) -> &crate::relcache::Stale {
+        &self.stale
+    }
+}
+
 impl Inbox {
     fn new(name: &str, relid: pg_sys::Oid, table: String, default_ttl: Interval, ns: u64) -> Inbox {
         Inbox {
@@ -147,7 +153,7 @@ impl Inbox {
             default_ttl,
             ns,
             entry: shmem::region().and_then(|r| r.entry(ns, true)),
-            stale: Cell::new(false),
+            stale: crate::relcache::Stale::of(relid),
             plans: Default::default(),
             shape: OnceCell::new(),
         }

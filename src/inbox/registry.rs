@@ -210,24 +210,7 @@ pub fn drop(name: &str) {
             }
             if relid != pg_sys::InvalidOid {
                 let table = qualified(name);
-                let administers = client
-                    .select(
-                        "SELECT pg_catalog.has_table_privilege($1, $2, 'DELETE WITH GRANT OPTION')",
-                        None,
-                        &[caller.into(), relid.into()],
-                    )
-                    .and_then(|rows| rows.first().get_one::<bool>())
-                    .unwrap_or_else(|e| internal("checking who administers the inbox", e));
-                if administers != Some(true) {
-                    raise(
-                        PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
-                        format!("permission denied to drop inbox \"{name}\""),
-                        format!(
-                            "An inbox is dropped by the role that created it (it holds DELETE ON {table} WITH GRANT \
-                             OPTION), by the extension's owner or by a superuser."
-                        ),
-                    )
-                }
+                require_administrator(client, caller, relid, name, "drop");
                 if crate::citus::distributed(relid) {
                     crate::citus::unregister_on_workers(client, name);
                 }
@@ -243,6 +226,31 @@ pub fn drop(name: &str) {
                 .unwrap_or_else(|e| internal("deleting the inbox's positions", e));
         })
     });
+}
+
+/// Refuses `caller` the administration (`verb`: drop, distribute, ...) of inbox `name`, table `relid`, unless it is
+/// the role that created the inbox (it holds `DELETE ... WITH GRANT OPTION` on the table), the extension's owner or
+/// a superuser.
+pub fn require_administrator(client: &SpiClient<'_>, caller: pg_sys::Oid, relid: pg_sys::Oid, name: &str, verb: &str) {
+    let administers = client
+        .select(
+            "SELECT pg_catalog.has_table_privilege($1, $2, 'DELETE WITH GRANT OPTION')",
+            None,
+            &[caller.into(), relid.into()],
+        )
+        .and_then(|rows| rows.first().get_one::<bool>())
+        .unwrap_or_else(|e| internal("checking who administers the inbox", e));
+    if administers != Some(true) {
+        raise(
+            PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
+            format!("permission denied to {verb} inbox \"{name}\""),
+            format!(
+                "An inbox is administered by the role that created it (it holds DELETE ON {} WITH GRANT OPTION), by \
+                 the extension's owner or by a superuser.",
+                qualified(name)
+            ),
+        )
+    }
 }
 
 fn is_registered(client: &SpiClient<'_>, name: &str) -> bool {
