@@ -93,7 +93,7 @@ fn require_coordinator(function: &str) {
 fn administered(verb: &str, name: &str) -> (pg_sys::Oid, String, Interval) {
     let inbox = inbox::open(name, Access::Delete);
     let caller = rights::caller();
-    Spi::connect(|client| inbox::require_administrator(&client, caller, inbox.relid, name, verb));
+    Spi::connect(|client| inbox::require_administrator(client, caller, inbox.relid, name, verb));
     (inbox.relid, inbox.table.clone(), inbox.default_ttl)
 }
 

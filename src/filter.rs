@@ -64,6 +64,7 @@ pub struct Trusted {
 impl Trusted {
     pub fn for_inbox(ns: u64) -> Option<Trusted> {
         let header = region()?;
+        // SAFETY: asks shared memory whether the server is in recovery; callable in any backend.
         if !guc::BLOOM.get() || unsafe { pg_sys::RecoveryInProgress() } {
             return None;
         }
@@ -145,6 +146,7 @@ impl Drop for RebuildGuard {
 
 pub fn try_begin_rebuild() -> Option<RebuildGuard> {
     let h = region()?;
+    // SAFETY: reads a process global, set at process start.
     let me = unsafe { pg_sys::MyProcPid } as u32;
     release_at_exit_once();
     h.rebuilder.compare_exchange(0, me, Ordering::AcqRel, Ordering::Acquire).ok().map(|_| RebuildGuard(h))
@@ -245,11 +247,13 @@ pub fn summary() -> Summary {
         };
     };
     let (fill, fpr) = generation(h, h.active.load(Ordering::Acquire) as usize).fill_and_fpr(16_384);
+    // SAFETY: as in `Trusted::for_inbox`.
+    let in_recovery = unsafe { pg_sys::RecoveryInProgress() };
     let state = if h.rebuilder.load(Ordering::Acquire) != 0 {
         "rebuilding"
     } else if !guc::BLOOM.get() {
         "off: dedup.bloom = off"
-    } else if unsafe { pg_sys::RecoveryInProgress() } {
+    } else if in_recovery {
         "off: hot standby"
     } else {
         "ready"

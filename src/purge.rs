@@ -88,6 +88,7 @@ fn in_batches(limit: Option<i64>, mut batch: impl FnMut(i64) -> i64) -> i64 {
 /// (`dedup.purge_batch_delay` after a full batch, zero otherwise) and says whether to go on.
 pub fn purge_cycle(slot: &WorkerSlot, go_on: impl Fn(Duration) -> bool) {
     let started = Instant::now();
+    // SAFETY: reads the clock; no state involved.
     slot.last_cycle_start.store(unsafe { pg_sys::GetCurrentTimestamp() }, Ordering::Relaxed);
     let (names, coordinator) =
         in_transaction("listing inboxes", || (inbox::all_names(), citus::coordinator())).unwrap_or_default();
@@ -105,44 +106,44 @@ pub fn purge_cycle(slot: &WorkerSlot, go_on: impl Fn(Duration) -> bool) {
             inbox.shape().distributed && !coordinator
         };
         let marks_here = !in_transaction("looking at an inbox", elsewhere).unwrap_or(true);
-        let mut capped = false;
-        while marks_here {
-            if !go_on(std::mem::take(&mut pause)) {
-                return;
-            }
-            let limit = (guc::PURGE_BATCH_SIZE.get() as i64).min(cap - total);
-            if limit <= 0 {
-                capped = true;
-                break;
-            }
-            let batch = |held| {
-                move || {
-                    with_batch_timeout(|| {
-                        let inbox = inbox::open(name, Access::Delete);
-                        rights::as_table_owner(inbox.relid, || purge_batch(&inbox, statement_now(), limit, held))
-                    })
-                }
-            };
-            // The quick attempt; if it met a row another transaction holds, it was rolled back: skip held rows.
-            // Anything else that fails (the batch timed out, say) is logged, and the cycle goes on with the next
-            // inbox.
-            let what = format!("purging a batch of inbox \"{name}\"");
-            let deleted = match try_transaction(batch(HeldRows::WaitBriefly)) {
-                Ok(deleted) => Some(deleted),
-                Err((PgSqlErrorCode::ERRCODE_LOCK_NOT_AVAILABLE, _)) => in_transaction(&what, batch(HeldRows::Skip)),
-                Err((_, message)) => {
-                    server_log!("pg_dedup worker: {what} failed: {message}");
-                    None
-                }
-            };
-            let Some(deleted) = deleted else { break };
-            total += deleted;
-            if deleted < limit {
-                break;
-            }
-            pause = Duration::from_millis(guc::PURGE_BATCH_DELAY.get() as u64);
-        }
         if marks_here {
+            let capped = loop {
+                if !go_on(std::mem::take(&mut pause)) {
+                    return;
+                }
+                let limit = (guc::PURGE_BATCH_SIZE.get() as i64).min(cap - total);
+                if limit <= 0 {
+                    break true;
+                }
+                let batch = |held| {
+                    move || {
+                        with_batch_timeout(|| {
+                            let inbox = inbox::open(name, Access::Delete);
+                            rights::as_table_owner(inbox.relid, || purge_batch(&inbox, statement_now(), limit, held))
+                        })
+                    }
+                };
+                // The quick attempt; if it met a row another transaction holds, it was rolled back: skip held rows.
+                // Anything else that fails (the batch timed out, say) is logged, and the cycle goes on with the next
+                // inbox.
+                let what = format!("purging a batch of inbox \"{name}\"");
+                let deleted = match try_transaction(batch(HeldRows::WaitBriefly)) {
+                    Ok(deleted) => Some(deleted),
+                    Err((PgSqlErrorCode::ERRCODE_LOCK_NOT_AVAILABLE, _)) => {
+                        in_transaction(&what, batch(HeldRows::Skip))
+                    }
+                    Err((_, message)) => {
+                        server_log!("pg_dedup worker: {what} failed: {message}");
+                        None
+                    }
+                };
+                let Some(deleted) = deleted else { break false };
+                total += deleted;
+                if deleted < limit {
+                    break false;
+                }
+                pause = Duration::from_millis(guc::PURGE_BATCH_DELAY.get() as u64);
+            };
             record_backlog(name, capped);
         }
         purge_positions(name, &go_on);

@@ -18,6 +18,8 @@ thread_local! {
     static EPOCH: Cell<u64> = const { Cell::new(0) };
 }
 
+/// # Safety
+/// Called by Postgres only, when it processes relcache invalidations; it only sets flags.
 #[pg_guard]
 unsafe extern "C-unwind" fn on_relcache_invalidation(_arg: pg_sys::Datum, relid: pg_sys::Oid) {
     WATCHED.with(|watched| {

@@ -112,6 +112,7 @@ pub extern "C-unwind" fn pg_dedup_launcher_main(_arg: pg_sys::Datum) {
 /// `pg_terminate_backend` is not a request to stop for good), and at server shutdown nothing is restarted anyway.
 #[allow(unreachable_code)] // proc_exit is declared noreturn in some majors' headers and not in others
 fn exit_for_restart() -> ! {
+    // SAFETY: ends this background process, as Postgres's own workers do; nothing of ours is left to clean up.
     unsafe { pg_sys::proc_exit(1) };
     unreachable!("proc_exit does not return")
 }
@@ -147,6 +148,7 @@ fn start_worker(name: &str, oid: pg_sys::Oid) -> Result<DynamicBackgroundWorker,
         .set_function("pg_dedup_worker_main")
         .set_argument(oid.into_datum())
         .enable_spi_access()
+        // SAFETY: reads a process global, set at process start.
         .set_notify_pid(unsafe { pg_sys::MyProcPid })
         .load_dynamic()
 }
@@ -164,6 +166,8 @@ fn serving(pid: i32, db: pg_sys::Oid) -> bool {
     if pid == 0 {
         return false;
     }
+    // SAFETY: looks the pid up in the shared process array (under its lock); the PGPROC it returns stays in shared
+    // memory, and only its database is read.
     let proc = unsafe { pg_sys::BackendPidGetProc(pid) };
     !proc.is_null() && unsafe { (*proc).databaseId } == db
 }
@@ -172,6 +176,7 @@ fn serving(pid: i32, db: pg_sys::Oid) -> bool {
 #[no_mangle]
 pub extern "C-unwind" fn pg_dedup_worker_main(arg: pg_sys::Datum) {
     BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
+    // SAFETY: the launcher passes an oid datum, never NULL.
     let db = unsafe { pg_sys::Oid::from_datum(arg, false) }.expect("the launcher passes a database oid");
     BackgroundWorker::connect_worker_to_spi_by_oid(Some(db), None);
     // Whatever `ALTER DATABASE ... SET search_path` says, the worker (a superuser) resolves names in pg_catalog
@@ -185,6 +190,7 @@ pub extern "C-unwind" fn pg_dedup_worker_main(arg: pg_sys::Datum) {
             pg_sys::GucSource::PGC_S_OVERRIDE,
         )
     };
+    // SAFETY: reads a process global, set at process start.
     let me = unsafe { pg_sys::MyProcPid };
     let Some(slot) = shmem::region().and_then(|r| r.worker_slot(db, true)) else {
         server_log!("pg_dedup worker: no free worker slot (at most {} databases); exiting", shmem::MAX_DATABASES);
@@ -201,6 +207,7 @@ pub extern "C-unwind" fn pg_dedup_worker_main(arg: pg_sys::Datum) {
             break;
         }
     }
+    // SAFETY: a catalog lookup in a transaction; the name, when there is one, is a NUL-terminated palloc'd copy.
     let database = in_transaction("looking up the database name", || unsafe {
         let name = pg_sys::get_database_name(db);
         (!name.is_null()).then(|| std::ffi::CStr::from_ptr(name).to_string_lossy().into_owned())
@@ -251,6 +258,7 @@ pub extern "C-unwind" fn pg_dedup_worker_main(arg: pg_sys::Datum) {
         // learns of the dead rows only from them. A no-op when nothing is pending; what is held back (flushed
         // less than a second ago) goes out on a later round.
         #[allow(clippy::let_unit_value)] // returns the time until the next flush from PostgreSQL 15 on
+        // SAFETY: called outside any transaction, as a backend does when it goes idle.
         let _ = unsafe { pg_sys::pgstat_report_stat(false) };
         // Wake for the next purge or the next look at the filter, whichever comes first (with purging off, only
         // the latter: before, an idle worker with `dedup.purge = off` woke every 10 ms).
@@ -271,6 +279,7 @@ pub extern "C-unwind" fn pg_dedup_worker_main(arg: pg_sys::Datum) {
 /// Reloads the configuration files if a SIGHUP asked for it (pg_reload_conf()).
 fn reload_if_asked() {
     if BackgroundWorker::sighup_received() {
+        // SAFETY: rereads the configuration files between transactions, as a SIGHUP asks.
         unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
     }
 }
