@@ -294,7 +294,9 @@ CREATE FUNCTION dedup.is_distributed("relid" oid) RETURNS bool
 STABLE PARALLEL SAFE LANGUAGE c AS 'MODULE_PATHNAME', 'is_distributed_wrapper';
 CREATE FUNCTION dedup.xmin_is_mine("xmin" xid) RETURNS bool
 VOLATILE PARALLEL UNSAFE LANGUAGE c AS 'MODULE_PATHNAME', 'xmin_is_mine_wrapper';
-REVOKE ALL ON FUNCTION dedup.distribute_inbox(text, regclass), dedup.undistribute_inbox(text) FROM PUBLIC;
+-- As finalize.sql does it (revoked, then granted back), so the ACLs read the same as after a fresh install.
+REVOKE ALL ON FUNCTION dedup.distribute_inbox(text, regclass), dedup.undistribute_inbox(text),
+    dedup.is_distributed(oid), dedup.xmin_is_mine(xid) FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION dedup.is_distributed(oid), dedup.xmin_is_mine(xid) TO PUBLIC;
 CREATE OR REPLACE VIEW dedup.inboxes AS
 SELECT r.name,
