@@ -43,7 +43,11 @@ pub struct Pgbench {
 
 impl Pgbench {
     pub fn new(cluster: &Cluster, db: &str) -> Pgbench {
-        let scripts = std::env::temp_dir().join(format!("pg_dedup_bench_scripts_{}", std::process::id()));
+        // One directory per instance: the Citus section has a Pgbench of its own, and dropping it must not take the
+        // main one's scripts along (it did, and the next section found its directory gone).
+        static INSTANCES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = INSTANCES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let scripts = std::env::temp_dir().join(format!("pg_dedup_bench_scripts_{}_{n}", std::process::id()));
         std::fs::create_dir_all(&scripts).expect("create the pgbench script directory");
         Pgbench {
             bin: pg_dedup_harness::bindir().join("pgbench"),
