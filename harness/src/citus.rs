@@ -5,10 +5,14 @@
 use crate::{pg_config, pg_config_value, Cluster};
 use postgres::Client;
 use std::path::Path;
+use std::sync::Mutex;
 
 pub struct CitusCluster {
     pub coordinator: Cluster,
     pub workers: Vec<Cluster>,
+    /// Held while a database is set up: adding a node propagates the cluster-wide roles to it (`ALTER ROLE` on a
+    /// shared catalog), and two databases doing so at once fail on a worker with "tuple concurrently updated".
+    setting_up: Mutex<()>,
 }
 
 /// Is Citus installed into the PostgreSQL under test? (When not, the Citus tests say so and skip.)
@@ -50,7 +54,7 @@ impl CitusCluster {
         };
         let coordinator = start();
         let workers = vec![start(), start()];
-        let cluster = CitusCluster { coordinator, workers };
+        let cluster = CitusCluster { coordinator, workers, setting_up: Mutex::new(()) };
         // A node connects to itself too (moving a shard, for one) by `citus.local_hostname`: its own socket.
         for node in cluster.nodes() {
             let mut c = node.connect("postgres");
@@ -69,6 +73,8 @@ impl CitusCluster {
     /// Creates database `name` on every node with Citus then pg_dedup, and adds the workers to its metadata.
     /// Returns a connection to the coordinator.
     pub fn fresh_db(&self, name: &str) -> Client {
+        // A test that failed while holding it poisoned nothing this needs.
+        let _one_at_a_time = self.setting_up.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         for node in self.nodes() {
             let mut admin = node.connect("postgres");
             admin.batch_execute(&format!("DROP DATABASE IF EXISTS {name}")).expect("drop db");
@@ -82,12 +88,21 @@ impl CitusCluster {
         ))
         .expect("citus_set_coordinator_host");
         for worker in &self.workers {
-            c.batch_execute(&format!("SELECT pg_catalog.citus_add_node('{}', 5432)", worker.socket_dir().display()))
-                .expect("citus_add_node");
+            if let Err(e) =
+                c.batch_execute(&format!("SELECT pg_catalog.citus_add_node('{}', 5432)", worker.socket_dir().display()))
+            {
+                panic!("citus_add_node: {e:?}\n{}", self.logs());
+            }
         }
         // Propagated to the workers by Citus.
         c.batch_execute("CREATE EXTENSION pg_dedup").expect("CREATE EXTENSION pg_dedup");
         c
+    }
+
+    /// Every node's server log so far, each under a heading (for failure messages: a remote error is only
+    /// in the log of the node it happened on).
+    pub fn logs(&self) -> String {
+        self.nodes().map(|node| format!("--- {}\n{}", node.socket_dir().display(), node.log())).collect()
     }
 
     pub fn destroy(&self) {
