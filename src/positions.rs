@@ -50,10 +50,11 @@ impl Stmt {
                  WHERE p.position OPERATOR(pg_catalog.<) excluded.position OR p.expires_at OPERATOR(pg_catalog.<=) $5 \
                  RETURNING true"
             }
+            // Ordered, so the cached generic plan scans the (inbox, expires_at) index: see the inbox's purge.
             Stmt::PurgeBatch => {
                 "DELETE FROM dedup.positions WHERE ctid OPERATOR(pg_catalog.=) ANY (ARRAY(SELECT ctid \
                  FROM dedup.positions WHERE inbox OPERATOR(pg_catalog.=) $1 AND expires_at OPERATOR(pg_catalog.<=) $2 \
-                 LIMIT $3 FOR UPDATE SKIP LOCKED))"
+                 ORDER BY expires_at LIMIT $3 FOR UPDATE SKIP LOCKED))"
             }
         }
     }

@@ -99,13 +99,18 @@ impl Stmt {
             Stmt::Forget => format!(
                 "DELETE FROM {table} WHERE id OPERATOR(pg_catalog.=) $1 RETURNING expires_at OPERATOR(pg_catalog.>) $2"
             ),
+            // ORDER BY expires_at: a cached plan turns generic after five runs, and the generic plan of a bare
+            // `expires_at <= $1 LIMIT $2` (a third of the table, by the default estimate) is a sequential scan,
+            // which reads every live row before the expired ones each batch: 44 ms a batch instead of 5 on an
+            // inbox of 1M with a tenth expired. The order makes the generic plan an index scan that stops at
+            // `$2` rows, cheaper even than the custom plan's bitmap scan (which reads every expired entry).
             Stmt::PurgeBatch => format!(
                 "DELETE FROM {table} WHERE ctid OPERATOR(pg_catalog.=) ANY (ARRAY(SELECT ctid FROM {table} \
-                 WHERE expires_at OPERATOR(pg_catalog.<=) $1 LIMIT $2 FOR UPDATE SKIP LOCKED))"
+                 WHERE expires_at OPERATOR(pg_catalog.<=) $1 ORDER BY expires_at LIMIT $2 FOR UPDATE SKIP LOCKED))"
             ),
             Stmt::PurgeBatchUnlocked => format!(
                 "DELETE FROM {table} WHERE ctid OPERATOR(pg_catalog.=) ANY (ARRAY(SELECT ctid FROM {table} \
-                 WHERE expires_at OPERATOR(pg_catalog.<=) $1 LIMIT $2))"
+                 WHERE expires_at OPERATOR(pg_catalog.<=) $1 ORDER BY expires_at LIMIT $2))"
             ),
             // Whether the row is this transaction's is decided where the row is: on the node holding its shard.
             Stmt::ClaimProbe => format!(
