@@ -30,7 +30,7 @@ fn line(svg: &mut String, (x1, y1): (f64, f64), (x2, y2): (f64, f64), style: &st
 fn goal_value(goal: Goal) -> Option<f64> {
     match goal {
         Goal::AtLeast(g) | Goal::AtMost(g) => Some(g),
-        Goal::Zero => None,
+        Goal::Zero | Goal::Within(_) => None,
     }
 }
 

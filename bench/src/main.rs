@@ -5,8 +5,8 @@
 //! table, for GitHub) and .svg (the ratios and the growth curve).
 //!
 //! BENCH_QUICK=1 runs fewer rounds on smaller inputs (under two minutes); BENCH_ONLY=clients,growth runs only the
-//! sections named (filter, expiry, clients, idempotency, ingest, instructions, citus, growth) and writes no results files; BENCH_VERBOSE=1 prints every
-//! client-side run.
+//! sections named (filter, expiry, clients, idempotency, ingest, instructions, citus, restart, growth) and writes no
+//! results files; BENCH_VERBOSE=1 prints every client-side run.
 
 mod chart;
 mod citus;
@@ -23,6 +23,7 @@ mod machine;
 mod pgbench;
 mod redis;
 mod report;
+mod restart;
 
 use pg_dedup_harness::postgres::Client;
 use pg_dedup_harness::Cluster;
@@ -36,6 +37,11 @@ pub struct Scale {
     pub seen_lookups: i64,
     pub marks: i64,
     pub purge_rows: i64,
+    /// Live marks (over 4 inboxes) the restart-to-ready scenario reloads, and its clients' seconds per run.
+    pub restart_marks: i64,
+    pub restart_secs: u32,
+    /// Marks in the inbox whose expired tenth is purged while clients mark (the steady state).
+    pub steady_rows: i64,
     pub cycle_rows: i64,
     /// One tick of the steady-rate size scenario (a fifth of the TTL).
     pub cycle_tick_ms: u64,
@@ -67,6 +73,8 @@ pub enum Goal {
     /// writes none, so what B shows is background WAL, autovacuum's and checkpoints', spread over the run's
     /// transactions). Met when A exceeds B by less than half a byte.
     Zero,
+    /// A itself (seconds to ready after a restart) is at most this; B is context.
+    Within(f64),
 }
 
 impl Goal {
@@ -75,6 +83,7 @@ impl Goal {
             Goal::AtLeast(g) => format!("≥ {g:.2}"),
             Goal::AtMost(g) => format!("≤ {g:.2}"),
             Goal::Zero => "A = 0".into(),
+            Goal::Within(g) => format!("A ≤ {g}"),
         }
     }
 }
@@ -127,6 +136,7 @@ impl Row {
             Goal::AtLeast(g) => Some(shown(self.ratio()?) >= g),
             Goal::AtMost(g) => Some(shown(self.ratio()?) <= g),
             Goal::Zero => Some(self.a - self.b < 0.5),
+            Goal::Within(g) => Some(self.a <= g),
         }
     }
 }
@@ -172,6 +182,9 @@ fn main() {
             seen_lookups: 50_000,
             marks: 10_000,
             purge_rows: 100_000,
+            steady_rows: 1_000_000,
+            restart_marks: 1_000_000,
+            restart_secs: 8,
             cycle_rows: 20_000,
             cycle_tick_ms: 200,
             run_secs: 1,
@@ -193,6 +206,9 @@ fn main() {
             seen_lookups: 200_000,
             marks: 50_000,
             purge_rows: 500_000,
+            steady_rows: 1_000_000,
+            restart_marks: 10_000_000,
+            restart_secs: 30,
             cycle_rows: 100_000,
             cycle_tick_ms: 400,
             run_secs: 5,
@@ -240,12 +256,13 @@ fn main() {
         }
     };
     section("filter", &mut |c| filter::scenarios(c, &scale));
-    section("expiry", &mut |c| expiry::scenarios(c, &scale));
+    section("expiry", &mut |c| expiry::scenarios(c, &pgbench, &scale));
     section("clients", &mut |c| clients::scenarios(c, &pgbench, cluster.socket_dir(), &scale));
     section("idempotency", &mut |c| idempotency::scenarios(c, &pgbench, &scale));
     section("ingest", &mut |c| ingest::scenarios(c, &scale));
     section("instructions", &mut |_| instructions::scenarios(&scale));
     section("citus", &mut |_| citus::scenarios(&scale));
+    section("restart", &mut |_| restart::scenarios(&scale));
     section("growth", &mut |c| {
         let (rows, points) = growth::scenarios(c, &pgbench, &scale);
         curve = points;

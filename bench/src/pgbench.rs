@@ -7,7 +7,7 @@
 use pg_dedup_harness::postgres::Client;
 use pg_dedup_harness::Cluster;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Output};
 
 /// synchronous_commit for a run, set per session through PGOPTIONS (the cluster's default is off).
 #[derive(Clone, Copy, PartialEq)]
@@ -68,21 +68,65 @@ impl Pgbench {
     /// `c` is a separate connection, used only to read the WAL position before and after.
     pub fn run(&self, c: &mut Client, script: &Path, clients: u32, commit: Commit, secs: u32) -> Run {
         let before: String = c.query_one("SELECT pg_current_wal_insert_lsn()::text", &[]).unwrap().get(0);
+        let out = self.command(script, clients, commit, secs).arg(&self.db).output();
+        let wal: f64 = c
+            .query_one("SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), $1::text::pg_lsn)::float8", &[&before])
+            .unwrap()
+            .get(0);
+        let (transactions, tps) = self.summary(script, out);
+        Run { tps, transactions, wal_per_tx: wal / transactions as f64 }
+    }
+
+    /// Runs `script` like `run` (sync off) and returns every transaction, from pgbench's per-transaction log: for
+    /// latencies, and for rates over a part of the run (while something else happened).
+    pub fn logged(&self, script: &Path, clients: u32, secs: u32) -> Vec<Txn> {
+        static RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let name = format!("log{}", RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+        let prefix = self.scripts.join(&name);
+        let out = self
+            .command(script, clients, Commit::Async, secs)
+            .arg("--log")
+            .arg("--log-prefix")
+            .arg(&prefix)
+            .arg(&self.db)
+            .output();
+        self.summary(script, out);
+        // One file per pgbench thread: <prefix>.<pid>, <prefix>.<pid>.1, ...
+        let mut txns = Vec::new();
+        for file in std::fs::read_dir(&self.scripts).unwrap().map(|e| e.unwrap().path()) {
+            if !file.file_name().unwrap().to_string_lossy().starts_with(&format!("{name}.")) {
+                continue;
+            }
+            // "client_id transaction_no time script_no time_epoch time_us": the latency (µs), then when the
+            // transaction ended (epoch seconds and microseconds).
+            for line in std::fs::read_to_string(&file).unwrap().lines() {
+                let f: Vec<f64> = line.split_whitespace().map(|v| v.parse().unwrap()).collect();
+                txns.push(Txn { latency_ms: f[2] / 1000.0, end: f[4] + f[5] / 1e6 });
+            }
+            std::fs::remove_file(&file).unwrap();
+        }
+        assert!(!txns.is_empty(), "pgbench logged no transaction of {}", script.display());
+        txns
+    }
+
+    /// pgbench with its options: `clients` connections (two threads when there are several) for `secs` seconds;
+    /// the database goes last.
+    fn command(&self, script: &Path, clients: u32, commit: Commit, secs: u32) -> Command {
         let sync = if commit == Commit::Sync { "on" } else { "off" };
-        let out = Command::new(&self.bin)
+        let mut command = Command::new(&self.bin);
+        command
             .env("PGOPTIONS", format!("-c synchronous_commit={sync}"))
             .arg("-h")
             .arg(&self.host)
             .args(["-p", "5432", "-U", "postgres", "-n", "-M", "prepared", "-f"])
             .arg(script)
-            .args(["-c", &clients.to_string(), "-j", if clients > 1 { "2" } else { "1" }, "-T", &secs.to_string()])
-            .arg(&self.db)
-            .output()
-            .unwrap_or_else(|e| panic!("run {}: {e}", self.bin.display()));
-        let wal: f64 = c
-            .query_one("SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), $1::text::pg_lsn)::float8", &[&before])
-            .unwrap()
-            .get(0);
+            .args(["-c", &clients.to_string(), "-j", if clients > 1 { "2" } else { "1" }, "-T", &secs.to_string()]);
+        command
+    }
+
+    /// Transactions and tps of a finished run; panics (with pgbench's output) when it failed or had failures.
+    fn summary(&self, script: &Path, out: std::io::Result<Output>) -> (u64, f64) {
+        let out = out.unwrap_or_else(|e| panic!("run {}: {e}", self.bin.display()));
         let stdout = String::from_utf8_lossy(&out.stdout);
         let failed = || -> ! {
             panic!("pgbench {} failed:\n{stdout}\n{}", script.display(), String::from_utf8_lossy(&out.stderr))
@@ -101,8 +145,28 @@ impl Pgbench {
         {
             failed();
         }
-        Run { tps: field("tps = "), transactions, wal_per_tx: wal / transactions as f64 }
+        (transactions, field("tps = "))
     }
+}
+
+/// One transaction of a logged run.
+pub struct Txn {
+    pub latency_ms: f64,
+    /// When it ended, in seconds since the Unix epoch.
+    pub end: f64,
+}
+
+/// Seconds since the Unix epoch now, comparable with `Txn::end`.
+pub fn epoch_now() -> f64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs_f64()
+}
+
+/// The `p`-th percentile (0..100) of `xs`, nearest rank.
+pub fn percentile(mut xs: Vec<f64>, p: f64) -> f64 {
+    assert!(!xs.is_empty(), "a percentile of nothing");
+    xs.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let rank = ((p / 100.0) * xs.len() as f64).ceil() as usize;
+    xs[rank.clamp(1, xs.len()) - 1]
 }
 
 impl Drop for Pgbench {
