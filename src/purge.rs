@@ -14,7 +14,6 @@ use crate::xact::{self, in_transaction, try_transaction};
 use crate::{citus, guc, ports, positions, rights};
 use pgrx::prelude::*;
 use std::ffi::CStr;
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 /// Rows per batch for `dedup.purge()` (the worker uses `dedup.purge_batch_size`).
@@ -89,7 +88,7 @@ fn in_batches(limit: Option<i64>, mut batch: impl FnMut(i64) -> i64) -> i64 {
 pub fn purge_cycle(slot: &WorkerSlot, go_on: impl Fn(Duration) -> bool) {
     let started = Instant::now();
     // SAFETY: reads the clock; no state involved.
-    slot.last_cycle_start.store(unsafe { pg_sys::GetCurrentTimestamp() }, Ordering::Relaxed);
+    let start = unsafe { pg_sys::GetCurrentTimestamp() };
     let (names, coordinator) =
         in_transaction("listing inboxes", || (inbox::all_names(), citus::coordinator())).unwrap_or_default();
     let cap = match guc::PURGE_MAX_ROWS_PER_CYCLE.get() {
@@ -148,9 +147,7 @@ pub fn purge_cycle(slot: &WorkerSlot, go_on: impl Fn(Duration) -> bool) {
         }
         purge_positions(name, &go_on);
     }
-    slot.cycles.fetch_add(1, Ordering::Relaxed);
-    slot.last_cycle_micros.store(started.elapsed().as_micros() as i64, Ordering::Relaxed);
-    slot.last_cycle_rows.store(total, Ordering::Relaxed);
+    slot.record_cycle(start, started.elapsed().as_micros() as i64, total);
 }
 
 /// The expired positions (`advance()`) of inbox `name`, batch after batch, each in a transaction of its own, paced

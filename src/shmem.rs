@@ -85,10 +85,53 @@ impl Entry {
 pub struct WorkerSlot {
     db: AtomicU32,
     pub pid: AtomicI32,
-    pub cycles: AtomicU64,
-    pub last_cycle_start: AtomicI64,
-    pub last_cycle_micros: AtomicI64,
-    pub last_cycle_rows: AtomicI64,
+    /// Odd while the worker writes the last cycle's figures (a sequence lock: readers retry).
+    cycle_seq: AtomicU64,
+    cycles: AtomicU64,
+    last_cycle_start: AtomicI64,
+    last_cycle_micros: AtomicI64,
+    last_cycle_rows: AtomicI64,
+}
+
+/// A finished purge cycle, as `dedup.worker_stats()` shows it.
+pub struct Cycle {
+    /// Cycles finished so far (this one included).
+    pub count: u64,
+    /// When it started (a TimestampTz), how long it took, and the rows it purged.
+    pub start: i64,
+    pub micros: i64,
+    pub rows: i64,
+}
+
+impl WorkerSlot {
+    /// Publishes a finished cycle; only the slot's worker writes. Readers see its figures together (a benchmark
+    /// reading the count of one cycle with the duration of the one before timed the wrong cycle).
+    pub fn record_cycle(&self, start: i64, micros: i64, rows: i64) {
+        self.cycle_seq.fetch_add(1, Ordering::AcqRel);
+        self.cycles.fetch_add(1, Ordering::Relaxed);
+        self.last_cycle_start.store(start, Ordering::Relaxed);
+        self.last_cycle_micros.store(micros, Ordering::Relaxed);
+        self.last_cycle_rows.store(rows, Ordering::Relaxed);
+        self.cycle_seq.fetch_add(1, Ordering::Release);
+    }
+
+    /// The last finished cycle, its figures consistent with each other.
+    pub fn last_cycle(&self) -> Cycle {
+        loop {
+            let before = self.cycle_seq.load(Ordering::Acquire);
+            let cycle = Cycle {
+                count: self.cycles.load(Ordering::Relaxed),
+                start: self.last_cycle_start.load(Ordering::Relaxed),
+                micros: self.last_cycle_micros.load(Ordering::Relaxed),
+                rows: self.last_cycle_rows.load(Ordering::Relaxed),
+            };
+            std::sync::atomic::fence(Ordering::Acquire);
+            if before.is_multiple_of(2) && self.cycle_seq.load(Ordering::Relaxed) == before {
+                return cycle;
+            }
+            std::hint::spin_loop();
+        }
+    }
 }
 
 #[repr(C)]

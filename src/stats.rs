@@ -197,14 +197,14 @@ fn worker_stats() -> TableIterator<
     let row = match slot {
         Some(w) => {
             let pid = w.pid.load(Relaxed);
-            let cycles = w.cycles.load(Relaxed) as i64;
-            let ran = cycles > 0;
+            let last = w.last_cycle();
+            let ran = last.count > 0;
             (
                 (pid != 0).then_some(pid),
-                Some(cycles),
-                ran.then(|| TimestampWithTimeZone::try_from(w.last_cycle_start.load(Relaxed)).ok()).flatten(),
-                ran.then(|| w.last_cycle_micros.load(Relaxed) as f64 / 1000.0),
-                ran.then(|| w.last_cycle_rows.load(Relaxed)),
+                Some(last.count as i64),
+                ran.then(|| TimestampWithTimeZone::try_from(last.start).ok()).flatten(),
+                ran.then(|| last.micros as f64 / 1000.0),
+                ran.then_some(last.rows),
             )
         }
         None => (None, None, None, None, None),
