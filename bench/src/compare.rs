@@ -4,7 +4,7 @@
 
 use crate::pgbench::{Commit, Pgbench};
 use crate::redis::Redis;
-use crate::{alternate_samples, median};
+use crate::{alternate_samples, median, verbose};
 use pg_dedup_harness::postgres::Client;
 use std::path::PathBuf;
 
@@ -76,10 +76,9 @@ impl Side<'_> {
 
 /// Runs `sides` alternately at `setting`; one result per side, in order. BENCH_VERBOSE=1 prints every run.
 pub fn compare(c: &mut Client, pgbench: &Pgbench, setting: &Setting, sides: &[Side]) -> Vec<Measured> {
-    let verbose = std::env::var("BENCH_VERBOSE").is_ok_and(|v| v == "1");
     let samples = alternate_samples(setting.rounds, sides.len(), |side, _| {
         let s = sample(c, pgbench, setting, &sides[side]);
-        if verbose {
+        if verbose() {
             let wal = s.wal_per_id.map_or(String::new(), |w| format!(", WAL {w:.1} B/id"));
             eprintln!("[bench]   {} ({}): {:.0}/s{wal}", sides[side].name(), setting.label(), s.rate);
         }

@@ -2,10 +2,10 @@
 //! the `expires_at` btree on mark(), foreground marks while a backlog is purged, and table size over TTL cycles.
 
 use crate::clients::{mark_sql, one_id_script};
-use crate::pgbench::{epoch_now, percentile, Pgbench, Txn};
-use crate::{alternate, alternate_samples, median, timed, Goal, Row, Scale};
+use crate::pgbench::{epoch_now, percentile, span, Pgbench};
+use crate::{alternate, alternate_samples, median, timed, verbose, Goal, Row, Scale};
 use pg_dedup_harness::postgres::Client;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// The worker against the hand-written batched DELETE (issue 17), on a backlog and in the steady state.
 const PURGE_GOAL: Goal = Goal::AtLeast(1.0);
@@ -48,28 +48,36 @@ struct Cycle {
     window: (f64, f64),
 }
 
-/// Lets the worker purge the backlog of `table`, pausing `pause_ms` between batches; what the cycle that did it did.
-fn worker_purge(c: &mut Client, table: &str, rows: i64, pause_ms: u32) -> Cycle {
-    let cycles_before: i64 = c.query_one("SELECT coalesce(max(purge_cycles), 0) FROM dedup.stats", &[]).unwrap().get(0);
-    set_worker_purge(c, true, pause_ms);
-    while expired_left(c, table) > 0 {
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    loop {
+/// Lets the worker purge a backlog of `rows` expired rows, pausing `pause_ms` between batches; what the cycle that
+/// did it did. Watches only the worker's own record (a cheap read of shared memory, every 100 ms): polling the
+/// table would load the machine on one side of the comparison only.
+fn worker_purge(c: &mut Client, rows: i64, pause_ms: u32) -> Cycle {
+    let last_cycle = |c: &mut Client| {
         let row = c
             .query_one(
-                "SELECT max(purge_cycles), max(last_purge_ms), max(last_purge_rows),
-                        extract(epoch FROM max(last_purge_start))::float8
-                   FROM dedup.stats",
+                "SELECT coalesce(purge_cycles, 0), last_purge_ms, last_purge_rows,
+                        extract(epoch FROM last_purge_start)::float8
+                   FROM dedup.worker_stats()",
                 &[],
             )
             .unwrap();
-        let (cycles, ms, purged, start): (i64, f64, i64, f64) = (row.get(0), row.get(1), row.get(2), row.get(3));
-        if cycles > cycles_before && purged >= rows {
-            set_worker_purge(c, false, 10);
-            return Cycle { rate: purged as f64 / (ms / 1000.0), window: (start, start + ms / 1000.0) };
+        let figures: (i64, Option<f64>, Option<i64>, Option<f64>) = (row.get(0), row.get(1), row.get(2), row.get(3));
+        figures
+    };
+    let before = last_cycle(c).0;
+    set_worker_purge(c, true, pause_ms);
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        std::thread::sleep(Duration::from_millis(100));
+        // Purging was off, so the first cycle after it went on is the one that met the whole backlog.
+        if let (cycles, Some(ms), Some(purged), Some(start)) = last_cycle(c) {
+            if cycles > before {
+                set_worker_purge(c, false, DEFAULT_PAUSE_MS);
+                assert!(purged >= rows, "the worker's cycle purged {purged} rows of a backlog of {rows}");
+                return Cycle { rate: purged as f64 / (ms / 1000.0), window: (start, start + ms / 1000.0) };
+            }
         }
-        std::thread::sleep(Duration::from_millis(20));
+        assert!(Instant::now() < deadline, "the worker finished no purge cycle in 5 minutes");
     }
 }
 
@@ -94,7 +102,7 @@ pub fn scenarios(c: &mut Client, pgbench: &Pgbench, scale: &Scale) -> Vec<Row> {
     let [ours, raw] = alternate(scale.rounds, |variant, _| {
         load_expired(c, "dedup.inbox_purged", n);
         match variant {
-            0 => worker_purge(c, "dedup.inbox_purged", n, 0).rate,
+            0 => worker_purge(c, n, 0).rate,
             _ => timed(c, &raw_purge("dedup.inbox_purged"), n),
         }
     });
@@ -128,7 +136,7 @@ pub fn scenarios(c: &mut Client, pgbench: &Pgbench, scale: &Scale) -> Vec<Row> {
         let purging = variant == 0;
         if purging {
             load_expired(c, "dedup.inbox_purged", n);
-            set_worker_purge(c, true, 10);
+            set_worker_purge(c, true, DEFAULT_PAUSE_MS);
             while expired_left(c, "dedup.inbox_purged") == n {
                 std::thread::sleep(Duration::from_millis(5));
             }
@@ -146,7 +154,7 @@ pub fn scenarios(c: &mut Client, pgbench: &Pgbench, scale: &Scale) -> Vec<Row> {
             while expired_left(c, "dedup.inbox_purged") > 0 {
                 std::thread::sleep(Duration::from_millis(20));
             }
-            set_worker_purge(c, false, 10);
+            set_worker_purge(c, false, DEFAULT_PAUSE_MS);
         }
         rate
     });
@@ -196,8 +204,9 @@ pub fn scenarios(c: &mut Client, pgbench: &Pgbench, scale: &Scale) -> Vec<Row> {
 /// hand-written DELETE (the rates compared: same batches, one transaction each), by the worker at its default
 /// pace (`dedup.purge_batch_delay` 10 ms), or not at all (idle). Each round starts from the same table: the
 /// clients' marks are deleted and the expired tenth loaded again. Latencies while purging are those of the
-/// transactions that ended within the purge (the worker's cycle, the DELETE's run); idle, every transaction after
-/// the first second.
+/// transactions that ended within the purge (the worker's cycle, the DELETE's run); idle, those that ended within
+/// a window as long as the paced worker's of the same round, starting a second and a half into the run (when the
+/// purges start, give or take the worker's wait for its next cycle).
 fn under_load(c: &mut Client, pgbench: &Pgbench, scale: &Scale) -> Vec<Row> {
     let (table, expired) = ("dedup.inbox_busy", scale.steady_rows / 10);
     c.batch_execute(&format!(
@@ -210,6 +219,7 @@ fn under_load(c: &mut Client, pgbench: &Pgbench, scale: &Scale) -> Vec<Row> {
     let script = pgbench.script("mark_busy", &one_id_script(&mark_sql("busy"), 0, 0));
     // Long enough that the purge, which starts a second in, ends before the clients do (checked below).
     let secs = scale.run_secs + 5;
+    let mut paced_window = 0.0;
     let samples = alternate_samples(scale.rounds, 4, |variant, _| {
         c.batch_execute(&format!("DELETE FROM {table} WHERE id LIKE 'evt-%'")).unwrap();
         load_expired(c, table, expired);
@@ -219,7 +229,7 @@ fn under_load(c: &mut Client, pgbench: &Pgbench, scale: &Scale) -> Vec<Row> {
             std::thread::sleep(Duration::from_secs(1));
             let (rate, window) = match variant {
                 0 | 2 => {
-                    let cycle = worker_purge(c, table, expired, if variant == 0 { 0 } else { DEFAULT_PAUSE_MS });
+                    let cycle = worker_purge(c, expired, if variant == 0 { 0 } else { DEFAULT_PAUSE_MS });
                     (cycle.rate, Some(cycle.window))
                 }
                 1 => {
@@ -234,18 +244,27 @@ fn under_load(c: &mut Client, pgbench: &Pgbench, scale: &Scale) -> Vec<Row> {
         if variant == 3 {
             c.batch_execute(&raw_purge(table)).unwrap();
         }
-        let first = txns.iter().map(|t| t.end).fold(f64::INFINITY, f64::min);
-        let last = txns.iter().map(|t| t.end).fold(0.0, f64::max);
-        if let Some((_, to)) = window {
+        let (first, last) = span(&txns);
+        if let Some((from, to)) = window {
             assert!(to < last, "the purge outlasted the clients' run: its latencies were not all measured");
+            if variant == 2 {
+                paced_window = to - from;
+            }
         }
-        let (from, to) = window.unwrap_or((first + 1.0, last));
-        let during: Vec<f64> =
-            txns.iter().filter(|t: &&Txn| t.end >= from && t.end <= to).map(|t| t.latency_ms).collect();
-        let sample = (rate, percentile(during.clone(), 50.0), percentile(during, 99.0));
-        if std::env::var("BENCH_VERBOSE").is_ok_and(|v| v == "1") {
+        let (from, to) = window.unwrap_or((first + 1.5, first + 1.5 + paced_window));
+        let during: Vec<f64> = txns.iter().filter(|t| t.end >= from && t.end <= to).map(|t| t.latency_ms).collect();
+        assert!(during.len() >= 100, "{} transactions in a window: too few for a p99", during.len());
+        let sample = (rate, percentile(during.clone(), 50.0), percentile(during.clone(), 99.0));
+        if verbose() {
             let side = ["worker, no pause", "DELETE", "worker, default pace", "idle"][variant];
-            eprintln!("  steady purge, {side}: {:.0} rows/s, p50 {:.3} ms, p99 {:.3} ms", sample.0, sample.1, sample.2);
+            eprintln!(
+                "[bench]   steady purge, {side}: {:.0} rows/s, {} transactions in {:.2} s, p50 {:.3} ms, p99 {:.3} ms",
+                sample.0,
+                during.len(),
+                to - from,
+                sample.1,
+                sample.2
+            );
         }
         sample
     });

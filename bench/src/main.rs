@@ -164,6 +164,11 @@ pub fn alternate(rounds: usize, round: impl FnMut(usize, usize) -> f64) -> [f64;
     [medians.next().unwrap(), medians.next().unwrap()]
 }
 
+/// BENCH_VERBOSE=1: print every client-side run.
+pub fn verbose() -> bool {
+    std::env::var("BENCH_VERBOSE").is_ok_and(|v| v == "1")
+}
+
 /// Runs `sql` and returns `work` per second.
 pub fn timed(c: &mut Client, sql: &str, work: i64) -> f64 {
     let started = Instant::now();
@@ -182,7 +187,7 @@ fn main() {
             seen_lookups: 50_000,
             marks: 10_000,
             purge_rows: 100_000,
-            steady_rows: 1_000_000,
+            steady_rows: 200_000,
             restart_marks: 1_000_000,
             restart_secs: 8,
             cycle_rows: 20_000,

@@ -156,6 +156,12 @@ pub struct Txn {
     pub end: f64,
 }
 
+/// When the first and the last of `txns` ended.
+pub fn span(txns: &[Txn]) -> (f64, f64) {
+    let ends = txns.iter().map(|t| t.end);
+    (ends.clone().fold(f64::INFINITY, f64::min), ends.fold(0.0, f64::max))
+}
+
 /// Seconds since the Unix epoch now, comparable with `Txn::end`.
 pub fn epoch_now() -> f64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs_f64()

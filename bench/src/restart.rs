@@ -1,24 +1,28 @@
 //! Restart to ready (issue 17): after a restart the shared filter is empty, and every call goes through the index
 //! until the worker has reloaded it. On a cluster of its own, so that its marks weigh on no other section (and no
-//! other section's on its reloads): `scale.restart_marks` live marks in 4 inboxes, then, alternately,
-//! - clients marking with the filter off (the floor a reload must not fall far below),
-//! - a restart with the same clients marking from the moment the server accepts connections,
-//! - a restart with nobody marking,
+//! other section's on its reloads): `scale.restart_marks` live marks in 4 inboxes, then, alternately, three
+//! restarts:
+//! - with clients marking from the moment the server accepts connections, while the worker reloads the filter;
+//! - the same with no filter at all (no worker serves the database, and the sessions have `dedup.bloom = off`):
+//!   the floor a reload must not push the clients far below, from the same cold start;
+//! - with nobody marking;
 //!
 //! and from them: seconds from the postmaster's start until the filter answers for all four inboxes, and the
-//! clients' throughput while it reloads and after, against the filter off.
+//! clients' throughput in that time and after it, each against the run without a filter over the same seconds
+//! since its own start. Every run starts from the same `restart_marks` (the clients' marks are deleted).
 
-use crate::pgbench::{epoch_now, Pgbench, Txn};
+use crate::pgbench::{epoch_now, span, Pgbench, Txn};
 use crate::{alternate_samples, median, Goal, Row, Scale};
 use pg_dedup_harness::postgres::Client;
 use pg_dedup_harness::Cluster;
-use std::time::Duration;
+use std::path::Path;
+use std::time::{Duration, Instant};
 
 const INBOXES: i64 = 4;
 const CLIENTS: u32 = 4;
 /// Issue 17's budget: ready within 15 s per 10 million marks on this machine kind.
 const SECONDS_PER_10M: f64 = 15.0;
-/// Throughput while the filter reloads, against the filter off.
+/// Throughput while the filter reloads, against no filter.
 const DURING_GOAL: Goal = Goal::AtLeast(0.8);
 
 /// Does the filter answer for every inbox (loaded, and no rebuild running)?
@@ -37,26 +41,46 @@ fn rate(txns: &[Txn], from: f64, to: f64) -> f64 {
     txns.iter().filter(|t| t.end >= from && t.end <= to).count() as f64 / (to - from)
 }
 
-/// Restarts `cluster`; with `clients`, runs them (logged) from the moment it accepts connections. Seconds from the
-/// postmaster's start until the filter is ready, and the clients' throughput before and after that moment.
-fn restart(cluster: &Cluster, pgbench: &Pgbench, script: &std::path::Path, secs: u32, clients: bool) -> [f64; 3] {
+/// One restart: when the postmaster started, and the clients' transactions (none when nobody marked).
+struct Restart {
+    started: f64,
+    txns: Vec<Txn>,
+}
+
+/// Restarts `cluster` (without the clients' marks of the run before); with `clients`, runs them (logged) from the
+/// moment it accepts connections. `until(c)` is called with a connection as soon as the server is up, and returns
+/// once what it waits for has happened.
+fn restart(
+    cluster: &Cluster,
+    pgbench: &Pgbench,
+    script: &Path,
+    secs: u32,
+    clients: bool,
+    until: impl FnOnce(&mut Client),
+) -> Restart {
+    let mut c = cluster.connect("restart");
+    c.batch_execute("DELETE FROM dedup.inbox_r1 WHERE id LIKE 'evt-%'; DELETE FROM dedup.inbox_r2 WHERE id LIKE 'evt-%';
+                     DELETE FROM dedup.inbox_r3 WHERE id LIKE 'evt-%'; DELETE FROM dedup.inbox_r4 WHERE id LIKE 'evt-%'").unwrap();
+    c.batch_execute("VACUUM").unwrap();
+    drop(c);
     cluster.stop();
     let started = epoch_now();
     cluster.pg_ctl_start();
     std::thread::scope(|s| {
         let run = clients.then(|| s.spawn(|| pgbench.logged(script, CLIENTS, secs)));
-        let mut c = cluster.connect("restart");
-        while !ready(&mut c) {
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        let at = epoch_now();
-        let Some(run) = run else { return [at - started, 0.0, 0.0] };
-        let txns = run.join().unwrap();
-        let first = txns.iter().map(|t| t.end).fold(f64::INFINITY, f64::min);
-        let last = txns.iter().map(|t| t.end).fold(0.0, f64::max);
-        assert!(at + 1.0 < last, "the clients stopped before the filter was ready: raise their run time");
-        [at - started, rate(&txns, first, at), rate(&txns, at + 0.5, last)]
+        until(&mut cluster.connect("restart"));
+        Restart { started, txns: run.map(|r| r.join().unwrap()).unwrap_or_default() }
     })
+}
+
+/// Waits until the filter answers for every inbox; returns when that was (epoch seconds).
+fn wait_until_ready(c: &mut Client) -> f64 {
+    let deadline = Instant::now() + Duration::from_secs(600);
+    while !ready(c) {
+        assert!(Instant::now() < deadline, "the filter was not ready 10 minutes after a restart");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    epoch_now()
 }
 
 pub fn scenarios(scale: &Scale) -> Vec<Row> {
@@ -84,6 +108,7 @@ pub fn scenarios(scale: &Scale) -> Vec<Row> {
     }
     c.batch_execute("VACUUM ANALYZE").unwrap();
     c.batch_execute("CHECKPOINT").unwrap();
+    drop(c);
     let pgbench = Pgbench::new(&cluster, "restart");
     let script = pgbench.script(
         "mark_restart",
@@ -93,19 +118,38 @@ pub fn scenarios(scale: &Scale) -> Vec<Row> {
         ),
     );
     let secs = scale.restart_secs;
+    let mut reload = 0.0;
     let samples = alternate_samples(scale.rounds.min(3), 3, |variant, _| match variant {
         0 => {
-            c.batch_execute("ALTER DATABASE restart SET dedup.bloom = off").unwrap();
-            let txns = pgbench.logged(&script, CLIENTS, secs);
-            c.batch_execute("ALTER DATABASE restart RESET dedup.bloom").unwrap();
-            let first = txns.iter().map(|t| t.end).fold(f64::INFINITY, f64::min);
-            let last = txns.iter().map(|t| t.end).fold(0.0, f64::max);
-            [0.0, rate(&txns, first, last), 0.0]
+            let mut at = 0.0;
+            let run = restart(&cluster, &pgbench, &script, secs, true, |c| at = wait_until_ready(c));
+            reload = at - run.started;
+            let (_, last) = span(&run.txns);
+            assert!(at + 1.0 < last, "the clients stopped before the filter was ready: raise restart_secs");
+            [reload, rate(&run.txns, run.started, at), rate(&run.txns, at + 0.5, last)]
+        }
+        1 => {
+            let no_filter = |set: bool| {
+                let mut c = cluster.connect("restart");
+                let (system, database) = if set {
+                    ("SET dedup.database = ''", "SET dedup.bloom = off")
+                } else {
+                    ("RESET dedup.database", "RESET dedup.bloom")
+                };
+                c.batch_execute(&format!("ALTER SYSTEM {system}")).unwrap();
+                c.batch_execute(&format!("ALTER DATABASE restart {database}")).unwrap();
+            };
+            no_filter(true);
+            let run = restart(&cluster, &pgbench, &script, secs, true, |_| {});
+            no_filter(false);
+            let (_, last) = span(&run.txns);
+            let at = run.started + reload;
+            [0.0, rate(&run.txns, run.started, at), rate(&run.txns, at + 0.5, last)]
         }
         _ => {
-            let measured = restart(&cluster, &pgbench, &script, secs, variant == 1);
-            c = cluster.connect("restart");
-            measured
+            let mut at = 0.0;
+            let run = restart(&cluster, &pgbench, &script, secs, false, |c| at = wait_until_ready(c));
+            [at - run.started, 0.0, 0.0]
         }
     });
     let of = |variant: usize, i: usize| median(samples[variant].iter().map(|s| s[i]).collect());
@@ -113,26 +157,25 @@ pub fn scenarios(scale: &Scale) -> Vec<Row> {
     let rows = vec![
         Row::new(
             &format!("restart to filter ready, {what}"),
-            (&format!("{CLIENTS} clients marking s"), of(1, 0)),
+            (&format!("{CLIENTS} clients marking s"), of(0, 0)),
             ("nobody marking s", of(2, 0)),
             "s",
         )
         .goal(Goal::Within(SECONDS_PER_10M * n as f64 / 1e7)),
         Row::new(
-            &format!("mark() while the filter reloads vs filter off, {what}, {CLIENTS} clients"),
-            ("reloading", of(1, 1)),
-            ("filter off", of(0, 1)),
+            &format!("mark() after a restart, while the filter reloads vs no filter, {what}, {CLIENTS} clients"),
+            ("reloading", of(0, 1)),
+            ("no filter", of(1, 1)),
             "tx/s",
         )
         .goal(DURING_GOAL),
         Row::new(
-            &format!("mark() once the filter is ready vs filter off, {what}, {CLIENTS} clients"),
-            ("ready", of(1, 2)),
-            ("filter off", of(0, 1)),
+            &format!("mark() after a restart, once the filter is ready vs no filter, {what}, {CLIENTS} clients"),
+            ("ready", of(0, 2)),
+            ("no filter", of(1, 2)),
             "tx/s",
         ),
     ];
-    drop(c);
     cluster.destroy();
     rows
 }
