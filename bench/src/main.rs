@@ -4,7 +4,7 @@
 //! machine's noise hits both sides alike. Results are printed and written to bench/results/latest.json, .md (the
 //! table, for GitHub) and .svg (the ratios and the growth curve).
 //!
-//! BENCH_QUICK=1 runs fewer rounds on smaller inputs (under two minutes); BENCH_ONLY=clients,growth runs only the
+//! BENCH_QUICK=1 runs fewer rounds on smaller inputs (about four minutes); BENCH_ONLY=clients,growth runs only the
 //! sections named (filter, expiry, clients, idempotency, ingest, instructions, citus, restart, growth) and writes no
 //! results files; BENCH_VERBOSE=1 prints every client-side run.
 
@@ -240,7 +240,8 @@ fn main() {
         // figures come from the cycle itself; only the wait for it shrinks).
         "dedup.purge_interval = '1s'",
         // Room for every key the run adds, so no filter rotation competes with a timed scenario: a full run marks
-        // about 30 million ids (the growth scenario's 10 million fill, batches of 1,000 at 200k+ ids/s). 130 MB.
+        // about 35 million ids (the growth scenario's 10 million fill, batches of 1,000 at 200k+ ids/s; the
+        // steady-state purge's clients about 4 million, deleted between rounds but not from the filter). 130 MB.
         "dedup.bloom_capacity = 50000000",
         "shared_buffers = '512MB'",
         "synchronous_commit = off",
