@@ -85,9 +85,9 @@ impl Entry {
 pub struct WorkerSlot {
     db: AtomicU32,
     pub pid: AtomicI32,
-    /// Odd while the worker writes the last cycle's figures (a sequence lock: readers retry).
+    /// Twice the cycles finished, plus one while the worker writes a finished cycle's figures (a sequence lock:
+    /// readers retry while it is odd or changed under them).
     cycle_seq: AtomicU64,
-    cycles: AtomicU64,
     last_cycle_start: AtomicI64,
     last_cycle_micros: AtomicI64,
     last_cycle_rows: AtomicI64,
@@ -108,7 +108,6 @@ impl WorkerSlot {
     /// reading the count of one cycle with the duration of the one before timed the wrong cycle).
     pub fn record_cycle(&self, start: i64, micros: i64, rows: i64) {
         self.cycle_seq.fetch_add(1, Ordering::AcqRel);
-        self.cycles.fetch_add(1, Ordering::Relaxed);
         self.last_cycle_start.store(start, Ordering::Relaxed);
         self.last_cycle_micros.store(micros, Ordering::Relaxed);
         self.last_cycle_rows.store(rows, Ordering::Relaxed);
@@ -120,7 +119,7 @@ impl WorkerSlot {
         loop {
             let before = self.cycle_seq.load(Ordering::Acquire);
             let cycle = Cycle {
-                count: self.cycles.load(Ordering::Relaxed),
+                count: before / 2,
                 start: self.last_cycle_start.load(Ordering::Relaxed),
                 micros: self.last_cycle_micros.load(Ordering::Relaxed),
                 rows: self.last_cycle_rows.load(Ordering::Relaxed),
