@@ -41,26 +41,28 @@ fn rate(txns: &[Txn], from: f64, to: f64) -> f64 {
     txns.iter().filter(|t| t.end >= from && t.end <= to).count() as f64 / (to - from)
 }
 
-/// One restart: when the postmaster started, and the clients' transactions (none when nobody marked).
+/// One restart: when the postmaster started, when the filter was ready (if waited for), and the clients'
+/// transactions (none when nobody marked).
 struct Restart {
     started: f64,
+    ready: Option<f64>,
     txns: Vec<Txn>,
 }
 
 /// Restarts `cluster` (without the clients' marks of the run before); with `clients`, runs them (logged) from the
-/// moment it accepts connections. `until(c)` is called with a connection as soon as the server is up, and returns
-/// once what it waits for has happened.
+/// moment it accepts connections; with `wait_for_filter`, notes when the filter is ready.
 fn restart(
     cluster: &Cluster,
     pgbench: &Pgbench,
     script: &Path,
     secs: u32,
     clients: bool,
-    until: impl FnOnce(&mut Client),
+    wait_for_filter: bool,
 ) -> Restart {
     let mut c = cluster.connect("restart");
-    c.batch_execute("DELETE FROM dedup.inbox_r1 WHERE id LIKE 'evt-%'; DELETE FROM dedup.inbox_r2 WHERE id LIKE 'evt-%';
-                     DELETE FROM dedup.inbox_r3 WHERE id LIKE 'evt-%'; DELETE FROM dedup.inbox_r4 WHERE id LIKE 'evt-%'").unwrap();
+    for i in 1..=INBOXES {
+        c.batch_execute(&format!("DELETE FROM dedup.inbox_r{i} WHERE id LIKE 'evt-%'")).unwrap();
+    }
     c.batch_execute("VACUUM").unwrap();
     drop(c);
     cluster.stop();
@@ -68,8 +70,8 @@ fn restart(
     cluster.pg_ctl_start();
     std::thread::scope(|s| {
         let run = clients.then(|| s.spawn(|| pgbench.logged(script, CLIENTS, secs)));
-        until(&mut cluster.connect("restart"));
-        Restart { started, txns: run.map(|r| r.join().unwrap()).unwrap_or_default() }
+        let ready = wait_for_filter.then(|| wait_until_ready(&mut cluster.connect("restart")));
+        Restart { started, ready, txns: run.map(|r| r.join().unwrap()).unwrap_or_default() }
     })
 }
 
@@ -121,8 +123,8 @@ pub fn scenarios(scale: &Scale) -> Vec<Row> {
     let mut reload = 0.0;
     let samples = alternate_samples(scale.rounds.min(3), 3, |variant, _| match variant {
         0 => {
-            let mut at = 0.0;
-            let run = restart(&cluster, &pgbench, &script, secs, true, |c| at = wait_until_ready(c));
+            let run = restart(&cluster, &pgbench, &script, secs, true, true);
+            let at = run.ready.unwrap();
             reload = at - run.started;
             let (_, last) = span(&run.txns);
             assert!(at + 1.0 < last, "the clients stopped before the filter was ready: raise restart_secs");
@@ -140,16 +142,15 @@ pub fn scenarios(scale: &Scale) -> Vec<Row> {
                 c.batch_execute(&format!("ALTER DATABASE restart {database}")).unwrap();
             };
             no_filter(true);
-            let run = restart(&cluster, &pgbench, &script, secs, true, |_| {});
+            let run = restart(&cluster, &pgbench, &script, secs, true, false);
             no_filter(false);
             let (_, last) = span(&run.txns);
             let at = run.started + reload;
             [0.0, rate(&run.txns, run.started, at), rate(&run.txns, at + 0.5, last)]
         }
         _ => {
-            let mut at = 0.0;
-            let run = restart(&cluster, &pgbench, &script, secs, false, |c| at = wait_until_ready(c));
-            [at - run.started, 0.0, 0.0]
+            let run = restart(&cluster, &pgbench, &script, secs, false, true);
+            [run.ready.unwrap() - run.started, 0.0, 0.0]
         }
     });
     let of = |variant: usize, i: usize| median(samples[variant].iter().map(|s| s[i]).collect());
