@@ -258,3 +258,85 @@ fn eight_sessions_racing_positions_keep_every_keys_maximum() {
         assert_eq!(stored, STEPS);
     }
 }
+
+#[test]
+fn a_refused_attach_or_detach_returns_at_once_instead_of_queueing_a_lock() {
+    let cluster = cluster();
+    let mut admin = db("ingest_lock_first");
+    // A role that may call attach() and detach() and nothing else; roles are cluster-wide, databases per test.
+    admin
+        .batch_execute(
+            "DROP ROLE IF EXISTS lock_intruder; CREATE ROLE lock_intruder LOGIN;
+             GRANT USAGE ON SCHEMA dedup TO lock_intruder;
+             GRANT EXECUTE ON FUNCTION dedup.attach(regclass, text, interval, text, text), dedup.detach(regclass)
+               TO lock_intruder;
+             CREATE TABLE victim (id text); CREATE VIEW victim_view AS SELECT * FROM victim",
+        )
+        .unwrap();
+    // Writers hold the table (and, creating a table, pg_class), as an application does all day.
+    let mut writer = cluster.connect("ingest_lock_first");
+    writer
+        .batch_execute(
+            "BEGIN; INSERT INTO victim VALUES ('x'); CREATE TABLE scratch (x int);
+             LOCK TABLE victim_view, dedup.inbox_default IN ACCESS EXCLUSIVE MODE",
+        )
+        .unwrap();
+    // Before the fix each of these queued behind the writer (and every later writer behind it): here they would
+    // fail with lock_timeout (55P03) instead of their refusal.
+    let mut intruder = cluster.connect_as("ingest_lock_first", "lock_intruder");
+    intruder.batch_execute("SET lock_timeout = '3s'").unwrap();
+    for (sql, code) in [
+        ("SELECT dedup.attach('public.victim', 'id')", "42501"),
+        ("SELECT dedup.detach('public.victim')", "42501"),
+        ("SELECT dedup.attach('pg_catalog.pg_class', 'relname::text')", "42809"),
+    ] {
+        assert_dedup_error(intruder.batch_execute(sql), code);
+    }
+    admin.batch_execute("SET lock_timeout = '3s'").unwrap();
+    for sql in [
+        "SELECT dedup.attach('public.victim_view', 'id')",
+        "SELECT dedup.attach('dedup.inbox_default', 'id')",
+        "SELECT dedup.detach('dedup.inbox_default')",
+    ] {
+        assert_dedup_error(admin.batch_execute(sql), "42809");
+    }
+    writer.batch_execute("ROLLBACK").unwrap();
+    admin.batch_execute("DROP OWNED BY lock_intruder; DROP ROLE lock_intruder").unwrap();
+}
+
+#[test]
+fn a_function_the_key_calls_is_kept_or_replaced_for_every_session() {
+    let cluster = cluster();
+    let mut c = db("ingest_key_function");
+    c.batch_execute(
+        "CREATE FUNCTION public.norm_pl(t text) RETURNS text LANGUAGE plpgsql IMMUTABLE AS
+           $$ BEGIN RETURN lower(t); END $$;
+         CREATE FUNCTION public.norm_sql(t text) RETURNS text LANGUAGE sql IMMUTABLE AS 'SELECT lower(t)';
+         CREATE TABLE pl (event_id text); CREATE TABLE inlined (event_id text);
+         SELECT dedup.create_inbox('pl'); SELECT dedup.create_inbox('inlined');
+         SELECT dedup.attach('pl', 'public.norm_pl(event_id)', inbox => 'pl');
+         SELECT dedup.attach('inlined', 'public.norm_sql(event_id)', inbox => 'inlined');",
+    )
+    .unwrap();
+    // Session S compiles both keys.
+    let mut s = cluster.connect("ingest_key_function");
+    s.batch_execute("INSERT INTO pl VALUES ('A'); INSERT INTO inlined VALUES ('A')").unwrap();
+    // Before the fix the DROP went through and S failed with XX000 "cache lookup failed" until it reconnected.
+    let err = c.batch_execute("DROP FUNCTION public.norm_pl(text)").unwrap_err();
+    assert_eq!(sqlstate(&err), "2BP01", "{err}");
+    // Replaced in place: S uses the new body at its next row (an SQL function was inlined into S's compiled key).
+    c.batch_execute(
+        "CREATE OR REPLACE FUNCTION public.norm_sql(t text) RETURNS text LANGUAGE sql IMMUTABLE AS 'SELECT upper(t)'",
+    )
+    .unwrap();
+    s.batch_execute("INSERT INTO pl VALUES ('a'); INSERT INTO inlined VALUES ('b')").unwrap();
+    assert_eq!(count(&mut s, "pl"), 1, "'a' is a duplicate of 'A'");
+    let upper: bool = s.query_one("SELECT dedup.seen('B', 'inlined')", &[]).unwrap().get(0);
+    assert!(upper, "the replaced function computed the key");
+    // Dropped with CASCADE, the attachment goes with its trigger: S inserts without deduplication, without an error.
+    c.batch_execute("DROP FUNCTION public.norm_pl(text) CASCADE").unwrap();
+    s.batch_execute("INSERT INTO pl VALUES ('a')").unwrap();
+    assert_eq!(count(&mut s, "pl"), 2);
+    let left: i64 = s.query_one("SELECT count(*) FROM dedup.attachments", &[]).unwrap().get(0);
+    assert_eq!(left, 1, "only `inlined` is attached still");
+}

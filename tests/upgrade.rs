@@ -196,3 +196,39 @@ fn an_update_from_0_2_0_takes_back_what_its_docs_granted() {
     let err = admin.batch_execute("DELETE FROM dedup.inbox_registry WHERE name = 'default'");
     assert_eq!(sqlstate(&err.expect_err("no DELETE on the registry")), "42501");
 }
+
+/// An attachment made by 0.3.0 (its trigger without the WHEN clause that names the key) is made again by the update,
+/// so PostgreSQL records what its key uses; one whose table went without pg_dedup seeing it is removed (issue 20).
+#[test]
+fn an_update_from_0_3_0_records_what_attached_keys_depend_on() {
+    let mut c = database_at("upgrade_attach", "0.3.0");
+    // As 0.3.0's attach() left them: the trigger, enabled always, and the registry row.
+    let attached_as_in_0_3_0 = |table: &str, key: &str| {
+        format!(
+            "CREATE TABLE {table} (event_id text);
+             CREATE TRIGGER zz_dedup_attached BEFORE INSERT ON {table} FOR EACH ROW EXECUTE FUNCTION dedup.attached_insert();
+             ALTER TABLE {table} ENABLE ALWAYS TRIGGER zz_dedup_attached;
+             INSERT INTO dedup.attachment_registry (tbl, key, inbox, on_duplicate) VALUES ('{table}', '{key}', 'default', 'skip');"
+        )
+    };
+    c.batch_execute(&format!(
+        "CREATE FUNCTION public.norm(t text) RETURNS text LANGUAGE plpgsql IMMUTABLE AS $$ BEGIN RETURN lower(t); END $$;
+         {}
+         {}
+         ALTER EVENT TRIGGER dedup_watch_drop DISABLE; DROP TABLE gone; ALTER EVENT TRIGGER dedup_watch_drop ENABLE ALWAYS;
+         INSERT INTO feed VALUES ('A'), ('a');",
+        attached_as_in_0_3_0("feed", "public.norm(event_id)"),
+        attached_as_in_0_3_0("gone", "event_id"),
+    ))
+    .unwrap();
+    assert_eq!(count(&mut c, "feed"), 1);
+    assert_eq!(count(&mut c, "dedup.attachments"), 2);
+    c.batch_execute("ALTER EXTENSION pg_dedup UPDATE").unwrap();
+    let attached: Vec<String> =
+        c.query("SELECT tbl::text FROM dedup.attachments", &[]).unwrap().iter().map(|r| r.get(0)).collect();
+    assert_eq!(attached, ["feed"], "the attachment of the table that is gone went");
+    let err = c.batch_execute("DROP FUNCTION public.norm(text)").unwrap_err();
+    assert_eq!(sqlstate(&err), "2BP01", "the key's function is now a recorded dependency: {err}");
+    c.batch_execute("INSERT INTO feed VALUES ('A')").unwrap();
+    assert_eq!(count(&mut c, "feed"), 1, "still deduplicated");
+}

@@ -2,7 +2,8 @@
 //! `'source || '':'' || event_id'`, `'dedup.fingerprint(payload)'`), analysed against a table and compiled once per
 //! backend, then evaluated for every inserted row.
 //!
-//! It is analysed as an index expression is (no subqueries, aggregates, window or set-returning functions), must be
+//! It is analysed as an index expression is (no subqueries, aggregates, window or set-returning functions, no system
+//! columns), must not use generated columns (a BEFORE trigger sees them before they are computed), must be
 //! of a string type (text, varchar, char, name: anything else needs an explicit cast, so no key is a surprise
 //! rendering of a number or a date) and must not be volatile (a key that changes between two deliveries of the same
 //! row would dedup nothing). Columns are found by name in the table it is compiled for, so a partition whose columns
@@ -60,6 +61,7 @@ unsafe fn analyse(rel: pg_sys::Relation, text: &str, hint: impl Fn() -> String) 
             );
             pg_sys::addNSItemToQuery(pstate, nsitem, false, true, true);
             let expr = pg_sys::transformExpr(pstate, raw, pg_sys::ParseExprKind::EXPR_KIND_INDEX_EXPRESSION);
+            unusable_column(rel, expr)?;
             let type_oid = pg_sys::exprType(expr);
             let (mut category, mut preferred) = (0 as std::ffi::c_char, false);
             pg_sys::get_type_category_preferred(type_oid, &mut category, &mut preferred);
@@ -92,6 +94,65 @@ unsafe fn analyse(rel: pg_sys::Relation, text: &str, hint: impl Fn() -> String) 
             let report = xact::report_of(&error);
             invalid(report.sql_error_code(), report.message())
         }
+    }
+}
+
+/// Refuses a key that uses a column the row does not have yet when the BEFORE INSERT trigger computes it: a system
+/// column (in a BEFORE trigger every row's ctid is the same invalid one, and xmin is not set: rows would collide),
+/// or a generated column (computed after BEFORE triggers, so it is NULL to ours).
+///
+/// # Safety
+/// `rel` must be an open relation and `expr` an analysed expression over it (range-table index 1).
+unsafe fn unusable_column(rel: pg_sys::Relation, expr: *mut pg_sys::Node) -> Result<(), String> {
+    // SAFETY: reads the expression's column numbers and the relation's tuple descriptor.
+    unsafe {
+        let mut columns: *mut pg_sys::Bitmapset = std::ptr::null_mut();
+        pg_sys::pull_varattnos(expr, 1, &mut columns);
+        let mut member = -1;
+        loop {
+            member = pg_sys::bms_next_member(columns, member);
+            if member < 0 {
+                return Ok(());
+            }
+            let attno = member + pg_sys::FirstLowInvalidHeapAttributeNumber;
+            if attno < 0 {
+                let column = &*pg_sys::SystemAttributeDefinition(attno as pg_sys::AttrNumber);
+                return Err(format!(
+                    "it uses the system column {}, which a row does not have yet when it is inserted (an index \
+                     expression cannot use one either)",
+                    std::ffi::CStr::from_ptr(column.attname.data.as_ptr()).to_string_lossy()
+                ));
+            }
+            let desc = pgrx::PgTupleDesc::from_pg_unchecked((*rel).rd_att);
+            let Some(column) = desc.get(attno as usize - 1).filter(|c| c.attgenerated != 0) else { continue };
+            return Err(format!(
+                "it uses the generated column {}, which PostgreSQL computes after BEFORE triggers have run, so \
+                 pg_dedup's trigger would see it NULL; use the expression it is generated from instead{}",
+                column.name(),
+                generation_expression(rel, attno as pg_sys::AttrNumber).map(|e| format!(": {e}")).unwrap_or_default()
+            ));
+        }
+    }
+}
+
+/// The expression generated column `attno` of `rel` is computed from, as PostgreSQL prints it.
+///
+/// # Safety
+/// `rel` must be an open relation.
+unsafe fn generation_expression(rel: pg_sys::Relation, attno: pg_sys::AttrNumber) -> Option<String> {
+    // SAFETY: the relcache keeps every column's default and generation expression in the tuple descriptor's
+    // constraints, as node trees printed to text.
+    unsafe {
+        let constr = (*(*rel).rd_att).constr;
+        if constr.is_null() {
+            return None;
+        }
+        let defaults = std::slice::from_raw_parts((*constr).defval, (*constr).num_defval as usize);
+        let default = defaults.iter().find(|d| d.adnum == attno)?;
+        let expr = pg_sys::stringToNode(default.adbin) as *mut pg_sys::Node;
+        let context = pg_sys::deparse_context_for((*(*rel).rd_rel).relname.data.as_ptr(), (*rel).rd_id);
+        let printed = pg_sys::deparse_expression(expr, context, false, false);
+        Some(std::ffi::CStr::from_ptr(printed).to_string_lossy().into_owned())
     }
 }
 
@@ -152,12 +213,24 @@ fn quote(text: &str) -> String {
 /// same in every session, whatever that session's search_path.
 const KEY_SEARCH_PATH: &std::ffi::CStr = c"pg_catalog, pg_temp";
 
+/// A key as `attach()` stores it.
+pub struct Canonical {
+    /// As PostgreSQL prints it under `KEY_SEARCH_PATH`: the text that is stored and compiled.
+    pub text: String,
+    /// The attachment trigger's WHEN clause: the key over `NEW`, in a condition that is always true
+    /// (`(<key> IS NULL) OR true`, which the planner folds to `true`, so it costs nothing per row). It is there for
+    /// what PostgreSQL does with a WHEN clause: it records the functions, operators and columns the condition uses
+    /// as dependencies of the trigger (the way an index expression's are recorded), so dropping one of them is
+    /// refused, or cascades to the trigger (and `watch_drop` then removes the attachment); and pg_dump keeps it.
+    pub condition: String,
+}
+
 /// Checks that `text` is a valid key expression for table `rel` (at `attach()`, under the caller's search_path) and
-/// returns its canonical form, the text that is stored and compiled.
+/// returns its canonical forms.
 ///
 /// # Safety
 /// `rel` must be an open relation.
-pub unsafe fn canonical(rel: pg_sys::Relation, text: &str) -> String {
+pub unsafe fn canonical(rel: pg_sys::Relation, text: &str) -> Canonical {
     // SAFETY: the caller vouches for the relation; the analysed tree is left to the caller's memory context.
     unsafe {
         let expr = analyse(rel, text, || {
@@ -165,9 +238,13 @@ pub unsafe fn canonical(rel: pg_sys::Relation, text: &str) -> String {
                 .to_owned()
         });
         guc::with_setting(c"search_path", KEY_SEARCH_PATH, || {
-            let context = pg_sys::deparse_context_for((*(*rel).rd_rel).relname.data.as_ptr(), (*rel).rd_id);
-            let printed = pg_sys::deparse_expression(expr, context, false, false);
-            std::ffi::CStr::from_ptr(printed).to_string_lossy().into_owned()
+            let print = |alias: &std::ffi::CStr, prefix: bool| {
+                let context = pg_sys::deparse_context_for(alias.as_ptr(), (*rel).rd_id);
+                let printed = pg_sys::deparse_expression(expr, context, prefix, false);
+                std::ffi::CStr::from_ptr(printed).to_string_lossy().into_owned()
+            };
+            let relname = std::ffi::CStr::from_ptr((*(*rel).rd_rel).relname.data.as_ptr());
+            Canonical { text: print(relname, false), condition: format!("({} IS NULL) OR true", print(c"new", true)) }
         })
     }
 }

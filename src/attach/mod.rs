@@ -7,21 +7,25 @@
 //! under `session_replication_role = replica` (logical replication, some restores). Its name sorts after the
 //! usual names of triggers, and BEFORE triggers fire in name order: the key is computed from the row as the other
 //! BEFORE triggers left it, and a trigger that drops the row fires before ours has marked anything. On a
-//! partitioned table the trigger is cloned onto every partition, present and future.
+//! partitioned table the trigger is cloned onto every partition, present and future. Its WHEN clause names the key
+//! (and is always true): so PostgreSQL records what the key depends on, as for an index expression, and refuses to
+//! drop a function or column the key uses (`key`).
 //!
-//! Attachments are rows of `dedup.attachment_registry`, written only by the extension's owner: `attach()` and
-//! `detach()` check their caller (the table's owner, who must also be allowed to mark in the inbox) and then act
-//! as that owner. The trigger finds its attachment by table, never by its arguments, so a trigger someone creates
-//! by hand with our function cannot point it at another inbox; and it marks with the rights of the role inserting
-//! the row, who needs what `mark()` needs on the inbox's table. `DROP TABLE` removes the attachment
-//! (`watch_drop`, an event trigger); `drop_inbox()` refuses an inbox that attached tables use.
+//! Attachments are rows of `dedup.attachment_registry` (`registry`), written by the extension's owner: `attach()`
+//! and `detach()` check their caller (the table's owner, who must also be allowed to mark in the inbox) and then
+//! act as that owner. The trigger finds its attachment by table, never by its arguments, so a trigger someone
+//! creates by hand with our function cannot point it at another inbox; and it marks with the rights of the role
+//! inserting the row, who needs what `mark()` needs on the inbox's table. An attachment lives as long as its
+//! trigger: `watch_drop`, an event trigger, removes it when a DROP takes the table or the trigger, and every
+//! `attach()`, `detach()` and `drop_inbox()` prunes attachments whose table went some other way.
 
 mod key;
+mod registry;
 mod row_trigger;
 
 use crate::errors::{internal, raise};
 use crate::inbox::{self, Access};
-use crate::{guc, input, ports, rights};
+use crate::{catalog, guc, input, ports, rights};
 use pgrx::prelude::*;
 
 /// The trigger's name (see the module comment for why it sorts last).
@@ -73,23 +77,40 @@ fn qualified_name(relid: pg_sys::Oid) -> Option<String> {
     }
 }
 
-/// Opens table `tbl` for attach() or detach(), locked as CREATE TRIGGER locks it, after checking that it is a table
-/// (or a partitioned one) that is not pg_dedup's own, and that the caller owns it. Returns it with its name.
-fn open_table(function: &str, tbl: Option<pg_sys::Oid>) -> (pg_sys::Relation, String) {
-    let relid = tbl.unwrap_or_else(|| {
+/// Why `attach()` or `detach()` opens a table: a temporary table may be detached (an attachment pg_dedup 0.3.0
+/// let through), never attached.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Purpose {
+    Attach,
+    Detach,
+}
+
+impl Purpose {
+    fn function(self) -> &'static str {
+        match self {
+            Purpose::Attach => "attach",
+            Purpose::Detach => "detach",
+        }
+    }
+}
+
+/// Refuses what `attach()` or `detach()` must not touch, from the table's pg_class row: not a table, a system
+/// catalog, one of pg_dedup's own, a temporary table (for attach), or one the caller does not own. Decided before any
+/// lock is taken, as ALTER TABLE and LOCK TABLE do, so that a refused caller returns at once instead of queueing a
+/// lock behind the table's writers (and every later writer behind that lock); and again once the table is locked,
+/// as what the row says may have changed meanwhile. Returns the table's qualified name.
+fn check_table(purpose: Purpose, relid: pg_sys::Oid) -> String {
+    let function = purpose.function();
+    let Some(class) = catalog::class(relid) else {
         raise(
-            PgSqlErrorCode::ERRCODE_NULL_VALUE_NOT_ALLOWED,
-            "tbl must not be NULL",
-            format!("Pass the table, e.g. dedup.{function}('public.events')."),
+            PgSqlErrorCode::ERRCODE_UNDEFINED_TABLE,
+            format!("relation with OID {} does not exist", relid.to_u32()),
+            "dedup.attachments lists the attached tables.",
         )
-    });
-    // SAFETY: opens (and locks, until the transaction ends) a relation by oid; raises a clean ERROR if it is gone.
-    let rel = unsafe { pg_sys::relation_open(relid, pg_sys::ShareRowExclusiveLock as pg_sys::LOCKMODE) };
+    };
     let name = qualified_name(relid).unwrap_or_else(|| internal("naming the table", "it has no name"));
-    // SAFETY: reads the open relation's pg_class row.
-    let (kind, namespace) = unsafe { ((*(*rel).rd_rel).relkind as u8, (*(*rel).rd_rel).relnamespace) };
-    if kind != pg_sys::RELKIND_RELATION && kind != pg_sys::RELKIND_PARTITIONED_TABLE {
-        let what = match kind {
+    if class.kind != pg_sys::RELKIND_RELATION && class.kind != pg_sys::RELKIND_PARTITIONED_TABLE {
+        let what = match class.kind {
             pg_sys::RELKIND_VIEW => "a view",
             pg_sys::RELKIND_FOREIGN_TABLE => "a foreign table",
             pg_sys::RELKIND_MATVIEW => "a materialized view",
@@ -101,12 +122,27 @@ fn open_table(function: &str, tbl: Option<pg_sys::Oid>) -> (pg_sys::Relation, St
             "Attach the table the rows are inserted into (for a partitioned table, its parent).",
         )
     }
-    // SAFETY: a schema lookup by name; missing_ok = false raises a clean ERROR.
-    if namespace == unsafe { pg_sys::get_namespace_oid(c"dedup".as_ptr(), false) } {
+    // SAFETY: namespace tests by oid.
+    if unsafe { pg_sys::IsCatalogNamespace(class.namespace) || pg_sys::IsToastNamespace(class.namespace) } {
+        raise(
+            PgSqlErrorCode::ERRCODE_WRONG_OBJECT_TYPE,
+            format!("{name} is a system catalog; {function}() works on the tables of applications"),
+            "Attach the tables your rows are inserted into.",
+        )
+    }
+    if class.namespace == catalog::dedup_namespace() {
         raise(
             PgSqlErrorCode::ERRCODE_WRONG_OBJECT_TYPE,
             format!("{name} is one of pg_dedup's own tables"),
             "Attach the tables your rows are inserted into; inbox tables are deduplicated by their primary key.",
+        )
+    }
+    if purpose == Purpose::Attach && class.persistence == pg_sys::RELPERSISTENCE_TEMP {
+        raise(
+            PgSqlErrorCode::ERRCODE_FEATURE_NOT_SUPPORTED,
+            format!("{name} is a temporary table; attach() works on permanent and unlogged tables"),
+            "A temporary table goes at the end of its session (or transaction) without a DROP that pg_dedup could \
+             follow; deduplicate its rows with dedup.mark_many() instead, or attach a permanent table.",
         )
     }
     if !ports::owns_relation(rights::caller(), relid) {
@@ -116,7 +152,26 @@ fn open_table(function: &str, tbl: Option<pg_sys::Oid>) -> (pg_sys::Relation, St
             "Ask the table's owner (or a superuser) to do it.",
         )
     }
-    (rel, name)
+    name
+}
+
+/// Opens table `relid` for attach() or detach(), locked as CREATE TRIGGER locks it, once `check_table` lets the
+/// caller in (before the lock and again after it). Returns it with its name.
+fn open_table(purpose: Purpose, relid: pg_sys::Oid) -> (pg_sys::Relation, String) {
+    check_table(purpose, relid);
+    // SAFETY: opens (and locks, until the transaction ends) a relation by oid; raises a clean ERROR if it is gone.
+    let rel = unsafe { pg_sys::relation_open(relid, pg_sys::ShareRowExclusiveLock as pg_sys::LOCKMODE) };
+    (rel, check_table(purpose, relid))
+}
+
+fn required_table(function: &str, tbl: Option<pg_sys::Oid>) -> pg_sys::Oid {
+    tbl.unwrap_or_else(|| {
+        raise(
+            PgSqlErrorCode::ERRCODE_NULL_VALUE_NOT_ALLOWED,
+            "tbl must not be NULL",
+            format!("Pass the table, e.g. dedup.{function}('public.events')."),
+        )
+    })
 }
 
 /// Deduplicates the rows inserted into `tbl` by `key`, an SQL expression over its columns, marked in `inbox` for
@@ -139,6 +194,7 @@ fn attach(
     on_duplicate: Option<&str>,
 ) {
     input::require_writable("attach");
+    let relid = required_table("attach", tbl);
     let key = key.unwrap_or_else(|| {
         raise(
             PgSqlErrorCode::ERRCODE_NULL_VALUE_NOT_ALLOWED,
@@ -149,7 +205,7 @@ fn attach(
     let ttl = ttl.map(input::ttl);
     let inbox_name = input::inbox_name(inbox);
     let on_duplicate = OnDuplicate::parse(on_duplicate);
-    let (rel, table) = open_table("attach", tbl);
+    let (rel, table) = open_table(Purpose::Attach, relid);
     // The caller must be allowed to mark in the inbox, as the rows' inserters will have to be.
     inbox::open(inbox_name, Access::Mark);
     // SAFETY: the relation is open and locked.
@@ -158,7 +214,7 @@ fn attach(
         pg_sys::relation_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
         key
     };
-    let relid = tbl.expect("checked by open_table");
+    registry::prune();
     rights::as_extension_owner("attach", || {
         Spi::connect_mut(|client| {
             let related: Option<String> = client
@@ -181,7 +237,22 @@ fn attach(
                     "Attach only the partitioned table at the top: its partitions are covered. Detach the other first.",
                 )
             }
-            let args = [relid.into(), key.as_str().into(), inbox_name.into(), ttl.into(), on_duplicate.label().into()];
+            // Re-created even when it exists: every backend's compiled key for the table goes with the relcache
+            // invalidation this causes (also on each partition, whose clone is re-created too). Before the registry
+            // row is written: dropping the old trigger prunes the old row (`watch_drop`).
+            let ddl = format!(
+                "DROP TRIGGER IF EXISTS {TRIGGER} ON {table}; \
+                 CREATE TRIGGER {TRIGGER} BEFORE INSERT ON {table} FOR EACH ROW WHEN ({}) \
+                   EXECUTE FUNCTION dedup.attached_insert(); \
+                 ALTER TABLE {table} ENABLE ALWAYS TRIGGER {TRIGGER}",
+                key.condition
+            );
+            // (Without "trigger ... does not exist, skipping" for a first attach.)
+            guc::with_setting(c"client_min_messages", c"warning", || {
+                client.update(&ddl, None, &[]).unwrap_or_else(|e| internal("creating the attachment's trigger", e))
+            });
+            let args =
+                [relid.into(), key.text.as_str().into(), inbox_name.into(), ttl.into(), on_duplicate.label().into()];
             client
                 .update(
                     "INSERT INTO dedup.attachment_registry (tbl, key, inbox, ttl, on_duplicate) \
@@ -191,22 +262,12 @@ fn attach(
                     &args,
                 )
                 .unwrap_or_else(|e| internal("registering the attachment", e));
-            // Re-created even when it exists: every backend's compiled key for the table goes with the relcache
-            // invalidation this causes (also on each partition, whose clone is re-created too).
-            let ddl = format!(
-                "DROP TRIGGER IF EXISTS {TRIGGER} ON {table}; \
-                 CREATE TRIGGER {TRIGGER} BEFORE INSERT ON {table} FOR EACH ROW EXECUTE FUNCTION dedup.attached_insert(); \
-                 ALTER TABLE {table} ENABLE ALWAYS TRIGGER {TRIGGER}"
-            );
-            // (Without "trigger ... does not exist, skipping" for a first attach.)
-            guc::with_setting(c"client_min_messages", c"warning", || {
-                client.update(&ddl, None, &[]).unwrap_or_else(|e| internal("creating the attachment's trigger", e))
-            });
         })
     });
 }
 
-/// Stops deduplicating the inserts of `tbl`: its trigger and its attachment go (the marks stay in the inbox).
+/// Stops deduplicating the inserts of `tbl`: its trigger and its attachment go (the marks stay in the inbox). The
+/// attachment of a table that is gone is removed too.
 #[pg_extern(
     volatile,
     parallel_unsafe,
@@ -217,10 +278,14 @@ fn attach(
 )]
 fn detach(tbl: Option<pg_sys::Oid>) {
     input::require_writable("detach");
-    let (rel, table) = open_table("detach", tbl);
+    let relid = required_table("detach", tbl);
+    // A table that is gone has nobody left to protect: whatever its attachment was, it is pruned now.
+    if catalog::class(relid).is_none() && registry::prune().contains(&relid) {
+        return;
+    }
+    let (rel, table) = open_table(Purpose::Detach, relid);
     // SAFETY: closes what open_table opened, keeping the lock.
     unsafe { pg_sys::relation_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE) };
-    let relid = tbl.expect("checked by open_table");
     rights::as_extension_owner("detach", || {
         Spi::connect_mut(|client| {
             let removed = client
@@ -245,58 +310,43 @@ fn detach(tbl: Option<pg_sys::Oid>) {
     });
 }
 
-/// The event trigger `dedup_watch_drop` (sql_drop): the attachment of a dropped table goes with it.
+/// The event trigger `dedup_watch_drop` (sql_drop): when a DROP took relations or triggers, the attachments left
+/// without their table or trigger go (`registry::prune`, which needs no privilege and switches no role, so that
+/// nobody's DDL fails because of it, in a security-restricted operation too). Any other drop returns at once.
 #[pg_extern(sql = "
     CREATE FUNCTION dedup.watch_drop() RETURNS event_trigger LANGUAGE c
     AS 'MODULE_PATHNAME', 'watch_drop_wrapper';
 ")]
 fn watch_drop(_fcinfo: pg_sys::FunctionCallInfo) {
-    let dropped: Vec<pg_sys::Oid> = Spi::connect(|client| {
-        client
+    let relevant = Spi::connect(|client| {
+        !client
             .select(
-                "SELECT objid FROM pg_catalog.pg_event_trigger_dropped_objects() \
-                  WHERE classid OPERATOR(pg_catalog.=) 'pg_catalog.pg_class'::pg_catalog.regclass \
-                    AND objsubid OPERATOR(pg_catalog.=) 0",
+                "SELECT 1 FROM pg_catalog.pg_event_trigger_dropped_objects() \
+                  WHERE classid OPERATOR(pg_catalog.=) ANY \
+                        (ARRAY['pg_catalog.pg_class'::pg_catalog.regclass, 'pg_catalog.pg_trigger'::pg_catalog.regclass]) \
+                  LIMIT 1",
                 None,
                 &[],
             )
             .unwrap_or_else(|e| internal("listing dropped objects", e))
-            .filter_map(|row| row.get::<pg_sys::Oid>(1).ok().flatten())
-            .collect()
+            .is_empty()
     });
     // DROP EXTENSION pg_dedup (or DROP SCHEMA dedup CASCADE) drops the registry itself: nothing left to clean.
-    // SAFETY: catalog lookups by name; missing_ok = true gives InvalidOid for a schema that is gone.
-    let registry = unsafe {
-        let schema = pg_sys::get_namespace_oid(c"dedup".as_ptr(), true);
-        pg_sys::get_relname_relid(c"attachment_registry".as_ptr(), schema)
-    };
-    if dropped.is_empty() || registry == pg_sys::InvalidOid || dropped.contains(&registry) {
-        return;
+    if relevant && catalog::dedup_relation(c"attachment_registry") != pg_sys::InvalidOid {
+        registry::prune();
     }
-    rights::as_extension_owner("DROP", || {
-        Spi::connect_mut(|client| {
-            client
-                .update(
-                    "DELETE FROM dedup.attachment_registry WHERE tbl::pg_catalog.oid OPERATOR(pg_catalog.=) ANY ($1)",
-                    None,
-                    &[dropped.into()],
-                )
-                .unwrap_or_else(|e| internal("removing the attachments of dropped tables", e));
-        })
-    });
 }
 
-/// The tables attached to inbox `name` (for `drop_inbox()`, which runs as the extension's owner).
-pub fn tables_using(client: &pgrx::spi::SpiClient<'_>, name: &str) -> Vec<String> {
-    client
-        .select(
-            "SELECT tbl::pg_catalog.text FROM dedup.attachment_registry WHERE inbox OPERATOR(pg_catalog.=) $1 ORDER BY 1",
-            None,
-            &[name.into()],
-        )
-        .unwrap_or_else(|e| internal("reading dedup.attachment_registry", e))
-        .filter_map(|row| row.get::<String>(1).ok().flatten())
-        .collect()
+/// The tables attached to inbox `name`, once stale attachments are pruned (for `drop_inbox()`).
+pub fn tables_using(name: &str) -> Vec<String> {
+    registry::prune();
+    let mut tables: Vec<String> = registry::all()
+        .into_iter()
+        .filter(|a| a.inbox == name)
+        .map(|a| qualified_name(a.tbl).unwrap_or_else(|| a.tbl.to_u32().to_string()))
+        .collect();
+    tables.sort();
+    tables
 }
 
 #[cfg(any(test, feature = "pg_test"))]
@@ -482,5 +532,129 @@ mod tests {
         run("SELECT dedup.attach('att_life', 'event_id', NULL, 'att_life'); DROP TABLE att_life");
         assert_eq!(count("dedup.attachments"), 0, "DROP TABLE took the attachment with it");
         run("SELECT dedup.drop_inbox('att_life')");
+    }
+
+    #[pg_test]
+    fn attach_refuses_keys_on_system_columns_naming_them() {
+        events("att_sys");
+        for (key, column) in
+            [("ctid::text", "ctid"), ("xmin::text", "xmin"), ("event_id || tableoid::text", "tableoid")]
+        {
+            let sql = format!("SELECT dedup.attach('att_sys', '{key}')");
+            assert_dedup_error(&sql, PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE);
+            let (_, message) = error_of(&sql);
+            assert!(message.contains(&format!("system column {column}")), "{message}");
+        }
+        assert_eq!(count("dedup.attachments"), 0);
+    }
+
+    #[pg_test]
+    fn attach_refuses_keys_on_generated_columns_saying_what_to_use() {
+        run("CREATE TABLE att_gen (raw text, k text GENERATED ALWAYS AS (lower(raw)) STORED)");
+        assert_dedup_error("SELECT dedup.attach('att_gen', 'k')", PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE);
+        let (_, message) = error_of("SELECT dedup.attach('att_gen', 'k || raw')");
+        assert!(message.contains("generated column k") && message.contains("lower(raw)"), "{message}");
+        run("SELECT dedup.attach('att_gen', 'lower(raw)')");
+        run("INSERT INTO att_gen (raw) VALUES ('A'), ('a'), ('b')");
+        assert_eq!(count("att_gen"), 2, "the expression it is generated from works");
+    }
+
+    #[pg_test]
+    fn attach_refuses_temporary_tables_and_system_catalogs() {
+        run("CREATE TEMP TABLE att_tmp (event_id text)");
+        let sql = "SELECT dedup.attach('att_tmp', 'event_id')";
+        assert_dedup_error(sql, PgSqlErrorCode::ERRCODE_FEATURE_NOT_SUPPORTED);
+        let (_, message) = error_of(sql);
+        assert!(message.contains("is a temporary table"), "{message}");
+        let catalog = "SELECT dedup.attach('pg_catalog.pg_class', 'relname::text')";
+        assert_dedup_error(catalog, PgSqlErrorCode::ERRCODE_WRONG_OBJECT_TYPE);
+        assert_eq!(count("dedup.attachments"), 0);
+    }
+
+    #[pg_test]
+    fn attach_an_attachment_whose_table_went_unseen_is_pruned_not_stuck() {
+        // A table that goes without the DROP event trigger seeing it (here: the event trigger is off), as a
+        // temporary table attached with pg_dedup 0.3.0 did at the end of its session.
+        let unseen_drop = |table: &str| {
+            run(&format!(
+                "ALTER EVENT TRIGGER dedup_watch_drop DISABLE; DROP TABLE {table};
+                 ALTER EVENT TRIGGER dedup_watch_drop ENABLE ALWAYS"
+            ))
+        };
+        events("att_gone");
+        run("SELECT dedup.create_inbox('att_gone'); SELECT dedup.attach('att_gone', 'event_id', inbox => 'att_gone')");
+        let relid = one::<pg_sys::Oid>("SELECT 'att_gone'::regclass::oid").to_u32();
+        unseen_drop("att_gone");
+        assert_eq!(count("dedup.attachments"), 1, "left behind");
+        run(&format!("SELECT dedup.detach({relid})"));
+        assert_eq!(count("dedup.attachments"), 0, "detach() of a table that is gone removes its attachment");
+        assert_dedup_error(&format!("SELECT dedup.detach({relid})"), PgSqlErrorCode::ERRCODE_UNDEFINED_TABLE);
+        // And drop_inbox() does not point at an impossible detach.
+        events("att_gone2");
+        run("SELECT dedup.attach('att_gone2', 'event_id', inbox => 'att_gone')");
+        unseen_drop("att_gone2");
+        run("SELECT dedup.drop_inbox('att_gone')");
+        assert_eq!(count("dedup.attachments"), 0);
+    }
+
+    #[pg_test]
+    fn attach_the_attachment_goes_with_its_trigger() {
+        events("att_trig");
+        run("SELECT dedup.attach('att_trig', 'event_id')");
+        run("DROP TRIGGER zz_dedup_attached ON att_trig");
+        assert_eq!(count("dedup.attachments"), 0, "no trigger, no attachment");
+        run("INSERT INTO att_trig (event_id) VALUES ('t'), ('t')");
+        assert_eq!(count("att_trig"), 2);
+    }
+
+    #[pg_test]
+    fn attach_what_the_key_uses_cannot_be_dropped_from_under_it() {
+        run("CREATE FUNCTION att_norm(t text) RETURNS text LANGUAGE plpgsql IMMUTABLE AS
+               $$ BEGIN RETURN lower(t); END $$");
+        events("att_dep");
+        run("SELECT dedup.attach('att_dep', 'att_norm(event_id)')");
+        run("INSERT INTO att_dep (event_id) VALUES ('A'), ('a')");
+        assert_eq!(count("att_dep"), 1);
+        let (code, message) = error_of("DROP FUNCTION att_norm(text)");
+        assert_eq!(code, PgSqlErrorCode::ERRCODE_DEPENDENT_OBJECTS_STILL_EXIST, "{message}");
+        let (code, message) = error_of("ALTER TABLE att_dep DROP COLUMN event_id");
+        assert_eq!(code, PgSqlErrorCode::ERRCODE_DEPENDENT_OBJECTS_STILL_EXIST, "{message}");
+        let (code, message) = error_of("ALTER TABLE att_dep ALTER COLUMN event_id TYPE varchar(100)");
+        assert_eq!(code, PgSqlErrorCode::ERRCODE_FEATURE_NOT_SUPPORTED, "{message}");
+        run("ALTER TABLE att_dep DROP COLUMN source");
+        run("DROP FUNCTION att_norm(text) CASCADE");
+        assert_eq!(count("dedup.attachments"), 0, "the cascade took the trigger, and the attachment with it");
+        run("INSERT INTO att_dep (event_id) VALUES ('a')");
+        assert_eq!(count("att_dep"), 2, "no longer deduplicated, and no error");
+    }
+
+    #[pg_test]
+    fn attach_a_replaced_function_is_used_at_once() {
+        // An SQL function is inlined into the compiled key: replacing it must compile the key again.
+        run("CREATE FUNCTION att_fold(t text) RETURNS text LANGUAGE sql IMMUTABLE AS 'SELECT lower(t)'");
+        events("att_repl");
+        run("SELECT dedup.attach('att_repl', 'att_fold(event_id)')");
+        run("INSERT INTO att_repl (event_id) VALUES ('X')");
+        assert!(one::<bool>("SELECT dedup.seen('x')"));
+        run("CREATE OR REPLACE FUNCTION att_fold(t text) RETURNS text LANGUAGE sql IMMUTABLE AS $$ SELECT upper(t) || '!' $$");
+        run("INSERT INTO att_repl (event_id) VALUES ('y')");
+        assert!(one::<bool>("SELECT dedup.seen('Y!')"), "the new body, not the inlined old one");
+    }
+
+    #[pg_test]
+    fn attach_a_drop_inside_a_restricted_operation_works() {
+        // REFRESH MATERIALIZED VIEW runs the view's query as its owner in a security-restricted operation.
+        run("CREATE TABLE att_scratch (x int);
+             CREATE FUNCTION att_drops(t text) RETURNS int LANGUAGE plpgsql VOLATILE AS
+               $$ BEGIN EXECUTE format('DROP TABLE IF EXISTS %s', t); RETURN 1; END $$;
+             CREATE MATERIALIZED VIEW att_mv AS SELECT att_drops('public.att_scratch') AS x WITH NO DATA");
+        run("REFRESH MATERIALIZED VIEW att_mv");
+        assert_eq!(count("pg_class WHERE relname = 'att_scratch'"), 0, "dropped inside the refresh");
+        // An attached table dropped there loses its attachment too.
+        events("att_scratch2");
+        run("SELECT dedup.attach('att_scratch2', 'event_id')");
+        run("CREATE MATERIALIZED VIEW att_mv2 AS SELECT att_drops('public.att_scratch2') AS x WITH NO DATA");
+        run("REFRESH MATERIALIZED VIEW att_mv2");
+        assert_eq!(count("dedup.attachments"), 0);
     }
 }

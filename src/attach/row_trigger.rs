@@ -11,6 +11,7 @@ use crate::inbox::{self, Access};
 use crate::relcache::{self, Stale};
 use crate::shmem::Counter;
 use pgrx::prelude::*;
+use std::cell::Cell;
 use std::rc::Rc;
 
 /// What the trigger needs for one table.
@@ -21,6 +22,8 @@ struct Attached {
     on_duplicate: OnDuplicate,
     key: Key,
     stale: Stale,
+    /// `FUNCTIONS` when the key was compiled.
+    functions: u64,
 }
 
 impl relcache::Entry for Attached {
@@ -31,50 +34,17 @@ impl relcache::Entry for Attached {
 
 thread_local! {
     static CACHE: relcache::Cache<pg_sys::Oid, Attached> = relcache::Cache::default();
+    /// Bumped whenever a function changes or goes (a syscache invalidation of pg_proc): a compiled key has
+    /// resolved its functions, and inlined the SQL ones, so every key compiled before is compiled again. (Dropping
+    /// a function a key calls is refused, see the module comment of `attach`; replacing one is not.)
+    static FUNCTIONS: Cell<u64> = const { Cell::new(0) };
 }
 
-/// An attachment as the registry holds it: key, inbox, ttl, on_duplicate.
-type RegistryRow = (String, String, Option<Interval>, String);
-
-/// The attachment of the first of `tables` that has one, read straight from `dedup.attachment_registry` with this
-/// transaction's snapshot. No privilege on the registry is needed, and no role is switched to: a
-/// security-restricted operation refuses that, and logical replication applies changes in one (PostgreSQL 16 and
-/// later, running as the table's owner).
-///
 /// # Safety
-/// Inside a transaction.
-unsafe fn registry_row(tables: &[pg_sys::Oid]) -> Option<RegistryRow> {
-    // SAFETY: opens the registry (locked until the transaction ends), scans it with a registered snapshot, and
-    // copies every value it keeps out of the slot before the next row; everything is closed before returning.
-    unsafe {
-        let schema = pg_sys::get_namespace_oid(c"dedup".as_ptr(), false);
-        let relid = pg_sys::get_relname_relid(c"attachment_registry".as_ptr(), schema);
-        if relid == pg_sys::InvalidOid {
-            internal("reading dedup.attachment_registry", "it is missing");
-        }
-        let rel = pg_sys::table_open(relid, pg_sys::AccessShareLock as pg_sys::LOCKMODE);
-        let snapshot = pg_sys::RegisterSnapshot(pg_sys::GetTransactionSnapshot());
-        let scan = pg_sys::table_beginscan(rel, snapshot, 0, std::ptr::null_mut());
-        let slot = pg_sys::table_slot_create(rel, std::ptr::null_mut());
-        let mut found: Vec<(usize, RegistryRow)> = Vec::new();
-        while pg_sys::table_scan_getnextslot(scan, pg_sys::ScanDirection::ForwardScanDirection, slot) {
-            let column = |attnum| {
-                let mut null = false;
-                let datum = pg_sys::slot_getattr(slot, attnum, &mut null);
-                (!null).then_some(datum)
-            };
-            let tbl = column(1).and_then(|d| pg_sys::Oid::from_datum(d, false));
-            let Some(rank) = tbl.and_then(|t| tables.iter().position(|x| *x == t)) else { continue };
-            let text = |attnum| column(attnum).and_then(|d| String::from_datum(d, false)).unwrap_or_default();
-            let ttl = column(4).and_then(|d| Interval::from_datum(d, false));
-            found.push((rank, (text(2), text(3), ttl, text(5))));
-        }
-        pg_sys::ExecDropSingleTupleTableSlot(slot);
-        pg_sys::table_endscan(scan);
-        pg_sys::UnregisterSnapshot(snapshot);
-        pg_sys::table_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
-        found.into_iter().min_by_key(|(rank, _)| *rank).map(|(_, row)| row)
-    }
+/// Called by Postgres only, when it processes invalidations of pg_proc; it only bumps a counter.
+#[pg_guard]
+unsafe extern "C-unwind" fn on_function_change(_arg: pg_sys::Datum, _cache: i32, _hash: u32) {
+    FUNCTIONS.set(FUNCTIONS.get() + 1);
 }
 
 /// The attachment of table `rel` (or of the partitioned table above it), with its key compiled for `rel`.
@@ -95,8 +65,8 @@ unsafe fn load(rel: pg_sys::Relation) -> Attached {
             .filter_map(|row| row.get::<pg_sys::Oid>(1).ok().flatten())
             .collect::<Vec<_>>()
     }));
-    // SAFETY: inside the trigger's transaction.
-    let Some((key, inbox, ttl, on_duplicate)) = (unsafe { registry_row(&tables) }) else {
+    let Some(super::registry::Attachment { key, inbox, ttl, on_duplicate, .. }) = super::registry::first_of(&tables)
+    else {
         raise(
             PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
             format!("{table} has pg_dedup's trigger {TRIGGER} but is not attached"),
@@ -113,7 +83,7 @@ unsafe fn load(rel: pg_sys::Relation) -> Attached {
             )
         })
     };
-    Attached { table, inbox, ttl, on_duplicate, key, stale: Stale::of(relid) }
+    Attached { table, inbox, ttl, on_duplicate, key, stale: Stale::of(relid), functions: FUNCTIONS.get() }
 }
 
 /// The cached attachment of the trigger's table, (re)built when missing or stale.
@@ -123,7 +93,20 @@ unsafe fn load(rel: pg_sys::Relation) -> Attached {
 unsafe fn attached(rel: pg_sys::Relation) -> Rc<Attached> {
     // SAFETY: the caller vouches for the relation.
     let relid = unsafe { (*rel).rd_id };
-    if let Some(attached) = CACHE.with(|c| c.get(&relid)) {
+    thread_local! {
+        static WATCHING: Cell<bool> = const { Cell::new(false) };
+    }
+    if !WATCHING.replace(true) {
+        // SAFETY: registers a guarded callback for the rest of the backend's life (there is no unregistering).
+        unsafe {
+            pg_sys::CacheRegisterSyscacheCallback(
+                pg_sys::SysCacheIdentifier::PROCOID as i32,
+                Some(on_function_change),
+                pg_sys::Datum::from(0),
+            )
+        };
+    }
+    if let Some(attached) = CACHE.with(|c| c.get(&relid)).filter(|a| a.functions == FUNCTIONS.get()) {
         return attached;
     }
     // SAFETY: as above.

@@ -200,7 +200,7 @@ pub fn drop(name: &str) {
                     "Ask the extension's owner or a superuser to drop it.",
                 )
             }
-            let attached = crate::attach::tables_using(client, name);
+            let attached = crate::attach::tables_using(name);
             if !attached.is_empty() {
                 raise(
                     PgSqlErrorCode::ERRCODE_DEPENDENT_OBJECTS_STILL_EXIST,
