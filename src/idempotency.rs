@@ -19,7 +19,7 @@ use crate::errors::{raise, raise_with_sqlstate, sqlstate};
 use crate::inbox::{self, Access, Inbox, Stmt};
 use crate::jsonb::Jsonb;
 use crate::shmem::Counter;
-use crate::{claim, input, xact};
+use crate::{input, mark, xact};
 use pgrx::prelude::*;
 
 /// Largest result `complete()` stores: jsonb, its size decompressed.
@@ -96,7 +96,7 @@ fn claim_key(inbox: &Inbox, id: &str, row: &Row, now: TimestampWithTimeZone, wai
         args
     };
     // A key the filter vouches for goes straight in (a speculative insertion, which never waits either).
-    let says_new = claim::filter_says_new(inbox, id);
+    let says_new = mark::filter_says_new(inbox, id);
     if says_new == Some(true) && direct::insert(inbox, &[id.to_owned()], row).len() == 1 {
         return Answer::New;
     }
@@ -108,7 +108,7 @@ fn claim_key(inbox: &Inbox, id: &str, row: &Row, now: TimestampWithTimeZone, wai
     };
     // Set once an insert that may not wait met a key another transaction is inserting.
     let mut held = false;
-    for _ in 0..claim::MAX_ROUNDS {
+    for _ in 0..mark::MAX_ROUNDS {
         let Some(found) = probe(inbox, id) else {
             if held {
                 return Answer::InProgress;
@@ -154,7 +154,7 @@ fn claim_key(inbox: &Inbox, id: &str, row: &Row, now: TimestampWithTimeZone, wai
     }
     raise(
         PgSqlErrorCode::ERRCODE_T_R_SERIALIZATION_FAILURE,
-        format!("could not claim key \"{id}\" in inbox \"{}\" after {} rounds", inbox.name, claim::MAX_ROUNDS),
+        format!("could not claim key \"{id}\" in inbox \"{}\" after {} rounds", inbox.name, mark::MAX_ROUNDS),
         "Another session kept deleting and re-creating the same key; retry the transaction.",
     )
 }

@@ -1,47 +1,58 @@
 //! pg_dedup: message deduplication (idempotent consumer / inbox pattern) inside PostgreSQL.
 //!
-//! Table of contents:
-//! - `api`     — the SQL functions in schema `dedup` (mark, mark_many, seen, forget, inboxes, purge)
-//! - `claim`   — the claim algorithm: ask the filter, insert, wait for concurrent claims, renew expired marks
+//! The rule: each feature room holds its own SQL face (its `#[pg_extern]` functions) beside its logic, and the
+//! floors below know nothing of the rooms above them. docs/architecture.md is the map, with recipes.
+//!
+//! Features, each with its SQL face:
+//! - `mark`        — mark(), mark_many(), seen(), forget(), and the algorithm that marks ids (attached rows too)
 //! - `idempotency` — idempotency keys: claim(), complete(), release(), fingerprint()
-//! - `jsonb`   — a jsonb value passed through without parsing (stored results)
-//! - `attach`  — attach(): deduplicating a table's inserts (INSERT, COPY, replication) by a key over its rows
-//! - `positions` — advance() and position(): per-key positions of ordered streams
-//! - `direct`  — inbox rows read and written without the executor: certainly-new ids, one id's row, completions
+//! - `attach`      — attach(), detach(): deduplicating a table's inserts (INSERT, COPY, replication) by a key
+//! - `positions`   — advance(), position(): per-key positions of ordered streams
+//! - `inboxes`     — create_inbox(), drop_inbox()
+//! - `purge`       — purge(), and the workers' purge cycles: batched deletion of expired marks
+//! - `distribute`  — distribute_inbox(), undistribute_inbox() (Citus)
+//! - `stats`       — `dedup.stats`
+//! - `rebuild`     — bloom_rebuild(): loading inbox tables into the filter, and the worker's upkeep of it
+//! - `worker`      — the background launcher and per-database workers (preloaded only)
+//!
+//! Storage, below the features:
 //! - `inbox`   — inbox tables: their statements, the registry, and the per-backend cache
-//! - `relcache` — per-backend caches of what is built from a table, made stale by the table's invalidations
-//! - `filter`  — the shared-memory Bloom filter in front of the indexes (preloaded only)
+//! - `direct`  — inbox rows read and written without the executor: certainly-new ids, one id's row, completions
 //! - `trigger` — the filter trigger on every inbox table, and the DDL watch that keeps the filter honest about it
-//! - `rebuild` — loading inbox tables into the filter, and the worker's upkeep of it
+//! - `citus`   — what storage needs to know of Citus: distributed tables, lock waits on the workers
+//! - `catalog` — relations as the catalogs show them, and the inbox tables among them
+//!
+//! Shared memory:
+//! - `filter`  — the shared-memory Bloom filter in front of the indexes (preloaded only)
 //! - `shmem`   — the shared memory region: filter words, per-inbox state and counters, worker slots
-//! - `worker`  — the background launcher and per-database workers (preloaded only)
-//! - `purge`   — batched deletion of expired marks, by `dedup.purge()` and by the workers' cycles
-//! - `stats`   — `dedup.stats`
+//!
+//! Foundations:
+//! - `relcache` — per-backend caches of what is built from a table, made stale by the table's invalidations
 //! - `rights`  — acting as a table's owner (the worker's purge) or as the extension's owner (creating inboxes)
-//! - `catalog` — finding inbox tables in the catalogs
-//! - `citus`   — inboxes distributed with Citus: distribute_inbox(), and telling them apart
 //! - `clock`   — the time expiry is measured against
 //! - `xact`    — brackets that undo work on error: subtransactions, and the workers' transactions
 //! - `guc`     — every setting
 //! - `input`   — validation of every argument
 //! - `errors`  — `dedup:` errors with SQLSTATE and hint
+//! - `jsonb`   — a jsonb value passed through without parsing (stored results)
 //! - `ports`   — PostgreSQL C macros and version differences, ported once
 //! - `sql/`    — the hand-written SQL objects (row type, registry, default inbox, views, privileges)
 
-mod api;
 mod attach;
 mod catalog;
 mod citus;
-mod claim;
 mod clock;
 mod direct;
+mod distribute;
 mod errors;
 mod filter;
 mod guc;
 mod idempotency;
 mod inbox;
+mod inboxes;
 mod input;
 mod jsonb;
+mod mark;
 mod ports;
 mod positions;
 mod purge;

@@ -337,16 +337,23 @@ fn watch_drop(_fcinfo: pg_sys::FunctionCallInfo) {
     }
 }
 
-/// The tables attached to inbox `name`, once stale attachments are pruned (for `drop_inbox()`).
-pub fn tables_using(name: &str) -> Vec<String> {
+/// Refuses to drop inbox `name` while attached tables keep their keys in it (for `drop_inbox()`), once stale
+/// attachments are pruned.
+pub fn refuse_to_drop_inbox(name: &str) {
     registry::prune();
     let mut tables: Vec<String> = registry::all()
         .into_iter()
         .filter(|a| a.inbox == name)
         .map(|a| qualified_name(a.tbl).unwrap_or_else(|| a.tbl.to_u32().to_string()))
         .collect();
-    tables.sort();
-    tables
+    if !tables.is_empty() {
+        tables.sort();
+        raise(
+            PgSqlErrorCode::ERRCODE_DEPENDENT_OBJECTS_STILL_EXIST,
+            format!("inbox \"{name}\" holds the keys of attached tables: {}", tables.join(", ")),
+            "Detach them first with dedup.detach(), or attach them to another inbox.",
+        )
+    }
 }
 
 #[cfg(any(test, feature = "pg_test"))]

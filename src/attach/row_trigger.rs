@@ -5,9 +5,9 @@
 
 use super::key::Key;
 use super::{qualified_name, OnDuplicate, TRIGGER};
-use crate::claim;
 use crate::errors::{internal, raise};
 use crate::inbox::{self, Access};
+use crate::mark;
 use crate::relcache::{self, Stale};
 use crate::shmem::Counter;
 use pgrx::prelude::*;
@@ -138,7 +138,7 @@ fn attached_insert<'a>(
         let attached = attached(data.tg_relation);
         attached.key.eval(data.tg_trigslot, &attached.table, |key| {
             let inbox = inbox::open(&attached.inbox, Access::Mark);
-            let new = claim::mark(&inbox, &[key], attached.ttl)[0];
+            let new = mark::mark_ids(&inbox, &[key], attached.ttl)[0];
             inbox.count(if new { Counter::RowsPassed } else { Counter::RowsDropped }, 1);
             if !new && attached.on_duplicate == OnDuplicate::Error {
                 raise(

@@ -1,6 +1,8 @@
 //! Inbox storage. An inbox is an independent namespace of marks: a real table `dedup.inbox_<name>` of the row
-//! type `dedup.inbox_row` (id text COLLATE "C" PRIMARY KEY, expires_at timestamptz), listed with its default TTL
-//! in `dedup.inbox_registry`. The UNIQUE index on `id` is the single source of truth for "already seen".
+//! type `dedup.inbox_row` (id text COLLATE "C" PRIMARY KEY, expires_at timestamptz NOT NULL, and for idempotency
+//! keys fingerprint, result, lease_until and completed, which a mark leaves NULL), with an index on `expires_at`,
+//! listed with its default TTL in `dedup.inbox_registry`. The UNIQUE index on `id` is the single source of truth
+//! for "already seen".
 //!
 //! - `stmt`     — every statement run against an inbox table
 //! - `registry` — creating, dropping, finding and listing inboxes
@@ -11,7 +13,7 @@ mod registry;
 mod stmt;
 
 pub use cache::open;
-pub use registry::{all_names, create, drop, require_administrator};
+pub use registry::{all_names, create, drop, require_administrator, Dependents};
 pub use stmt::Stmt;
 
 use crate::errors::internal;

@@ -173,9 +173,17 @@ pub fn create(name: &str, default_ttl: Interval) {
     filter::trust_new_inbox(shmem::namespace(relation_oid(name)));
 }
 
+/// What the rooms above storage keep of an inbox, for `drop`: `check` may refuse the drop (it raises) before
+/// anything is dropped, and `forget` deletes what they keep of the inbox, in the same transaction. Both run as the
+/// extension's owner, with the registry locked.
+pub struct Dependents<'a> {
+    pub check: &'a dyn Fn(&str),
+    pub forget: &'a dyn Fn(&str),
+}
+
 /// Drops an inbox, for a caller with EXECUTE on `dedup.drop_inbox()` who administers it: holds DELETE on its table
 /// WITH GRANT OPTION (its creator does, as do the table's owner and superusers).
-pub fn drop(name: &str) {
+pub fn drop(name: &str, dependents: &Dependents) {
     if name == DEFAULT_INBOX {
         raise(
             PgSqlErrorCode::ERRCODE_FEATURE_NOT_SUPPORTED,
@@ -200,14 +208,7 @@ pub fn drop(name: &str) {
                     "Ask the extension's owner or a superuser to drop it.",
                 )
             }
-            let attached = crate::attach::tables_using(name);
-            if !attached.is_empty() {
-                raise(
-                    PgSqlErrorCode::ERRCODE_DEPENDENT_OBJECTS_STILL_EXIST,
-                    format!("inbox \"{name}\" holds the keys of attached tables: {}", attached.join(", ")),
-                    "Detach them first with dedup.detach(), or attach them to another inbox.",
-                )
-            }
+            (dependents.check)(name);
             if relid != pg_sys::InvalidOid {
                 let table = qualified(name);
                 require_administrator(client, caller, relid, name, "drop");
@@ -221,9 +222,7 @@ pub fn drop(name: &str) {
             client
                 .update("DELETE FROM dedup.inbox_registry WHERE name OPERATOR(pg_catalog.=) $1", None, &[name.into()])
                 .unwrap_or_else(|e| internal("unregistering the inbox", e));
-            client
-                .update(crate::positions::DROP_INBOX_SQL, None, &[name.into()])
-                .unwrap_or_else(|e| internal("deleting the inbox's positions", e));
+            (dependents.forget)(name);
         })
     });
 }
