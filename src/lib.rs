@@ -15,6 +15,10 @@
 //! - `rebuild`     — bloom_rebuild(): loading inbox tables into the filter, and the worker's upkeep of it
 //! - `worker`      — the background launcher and per-database workers (preloaded only)
 //!
+//! Doors the features share:
+//! - `gate`    — the one door to the filter for an inbox: "certainly new" or "maybe", counted
+//! - `rows`    — the one door to an inbox's rows: read directly where the table allows, else through SQL
+//!
 //! Storage, below the features:
 //! - `inbox`   — inbox tables: their statements, the registry, and the per-backend cache
 //! - `direct`  — inbox rows read and written without the executor: certainly-new ids, one id's row, completions
@@ -46,6 +50,7 @@ mod direct;
 mod distribute;
 mod errors;
 mod filter;
+mod gate;
 mod guc;
 mod idempotency;
 mod inbox;
@@ -59,6 +64,7 @@ mod purge;
 mod rebuild;
 mod relcache;
 mod rights;
+mod rows;
 mod shmem;
 mod stats;
 mod trigger;

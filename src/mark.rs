@@ -19,86 +19,20 @@
 
 use crate::clock::{expiry, statement_now};
 use crate::errors::raise;
-use crate::filter::{self, Trusted};
 use crate::inbox::{self, Access, Inbox, Stmt};
 use crate::shmem::Counter;
-use crate::{direct, guc, input};
+use crate::{direct, gate, input, rows};
 use pgrx::prelude::*;
 use rustc_hash::FxHashSet as HashSet;
-use std::cell::Cell;
 
 /// Rounds of insert/probe/renew before giving up. Each extra round needs a concurrent purge or forget of the very
 /// same id between two statements, so more than a couple of rounds means something is badly wrong.
 pub const MAX_ROUNDS: usize = 16;
 
-thread_local! {
-    static TOLD_DEGRADED: Cell<bool> = const { Cell::new(false) };
-}
-
-/// The filter that may answer for `inbox`, if any. When the installation is why there is none (no preloading, or no
-/// worker for this database), says so once per session: everything stays correct, but the user should know.
-fn trusted_filter(inbox: &Inbox) -> Option<Trusted> {
-    if !TOLD_DEGRADED.with(|told| told.replace(true)) {
-        if let Some((message, hint)) = degraded() {
-            pgrx::pg_sys::panic::ErrorReport::new(PgSqlErrorCode::ERRCODE_SUCCESSFUL_COMPLETION, message, "pg_dedup")
-                .set_hint(hint)
-                .report(PgLogLevel::NOTICE);
-        }
-    }
-    inbox.filter()
-}
-
-/// What this installation leaves out for the current database, and how to get it.
-fn degraded() -> Option<(String, String)> {
-    if !filter::is_preloaded() {
-        return Some((
-            "dedup: the shared Bloom filter is off because pg_dedup is not in shared_preload_libraries; every call \
-             uses the inbox index (correct, a little slower), and no background worker purges expired marks"
-                .into(),
-            "Add pg_dedup to shared_preload_libraries and restart the server to enable them.".into(),
-        ));
-    }
-    // SAFETY: MyDatabaseId is set once the backend is connected, which it is when a function runs.
-    let database = unsafe { std::ffi::CStr::from_ptr(pg_sys::get_database_name(pg_sys::MyDatabaseId)) }
-        .to_string_lossy()
-        .into_owned();
-    let mut listed = guc::worker_databases();
-    if listed.contains(&database) {
-        return None;
-    }
-    let setting = listed.join(", ");
-    listed.push(database.clone());
-    Some((
-        format!(
-            "dedup: no pg_dedup worker looks after database \"{database}\" (dedup.database = '{setting}'): expired \
-             marks are never purged (only dedup.purge() removes them) and the shared Bloom filter is never loaded"
-        ),
-        format!(
-            "Add it and reload: ALTER SYSTEM SET dedup.database = '{}'; SELECT pg_reload_conf();",
-            listed.join(", ")
-        ),
-    ))
-}
-
-/// The ids the filter cannot rule out ("maybe").
-fn suspects<'a>(filter: &Trusted, inbox: &Inbox, ids: &[&'a str]) -> HashSet<&'a str> {
-    let maybe = filter.maybe(ids);
-    let suspects: HashSet<&str> = ids.iter().zip(maybe).filter(|(_, m)| *m).map(|(id, _)| *id).collect();
-    inbox.count(Counter::Lookups, ids.len() as u64);
-    inbox.count(Counter::CertainlyNew, (ids.len() - suspects.len()) as u64);
-    suspects
-}
-
-/// What the filter says of `id`: Some(true) if it vouches that `id` was never written to `inbox` (so it may go
-/// straight in), Some(false) for "maybe", None when no filter answers. Keeps the inbox's lookup counters.
-pub fn filter_says_new(inbox: &Inbox, id: &str) -> Option<bool> {
-    let filter = trusted_filter(inbox)?;
-    inbox.count(Counter::Lookups, 1);
-    let certainly_new = !filter.may_contain(id);
-    if certainly_new {
-        inbox.count(Counter::CertainlyNew, 1);
-    }
-    Some(certainly_new)
+/// The ids the filter cannot rule out ("maybe"); None when no filter answers.
+fn suspects<'a>(inbox: &Inbox, ids: &[&'a str]) -> Option<HashSet<&'a str>> {
+    let maybe = gate::maybe(inbox, ids)?;
+    Some(ids.iter().zip(maybe).filter(|(_, m)| *m).map(|(id, _)| *id).collect())
 }
 
 /// When a mark made now expires: `ttl` (already validated) or the inbox's default (validated when created).
@@ -122,12 +56,11 @@ pub fn mark_ids(inbox: &Inbox, ids: &[&str], ttl: Option<Interval>) -> Vec<bool>
     order.sort_unstable_by(|&a, &b| ids[a as usize].cmp(ids[b as usize]).then(a.cmp(&b)));
     order.dedup_by(|later, first| ids[*later as usize] == ids[*first as usize]);
     let expires_at = window_end(inbox, ttl);
-    let filter = trusted_filter(inbox);
     let mut new_at = vec![false; ids.len()];
     let mut fresh = 0;
     for chunk in order.chunks(CHUNK.max(order.len().div_ceil(MAX_CHUNKS))) {
         let chunk_ids: Vec<&str> = chunk.iter().map(|&i| ids[i as usize]).collect();
-        let suspects = filter.as_ref().map(|filter| suspects(filter, inbox, &chunk_ids));
+        let suspects = suspects(inbox, &chunk_ids);
         let out = mark_sorted(inbox, &chunk_ids, suspects.as_ref(), expires_at);
         for (&i, id) in chunk.iter().zip(&chunk_ids) {
             if out.fresh.contains(*id) {
@@ -238,26 +171,14 @@ fn insert(inbox: &Inbox, ids: &[String], expires_at: TimestampWithTimeZone) -> H
 
 /// Splits the rows visible now into live ids and (sorted) expired ids.
 fn probe(inbox: &Inbox, ids: &[String], now: TimestampWithTimeZone) -> (HashSet<String>, Vec<String>) {
-    let rows: Vec<(String, TimestampWithTimeZone)> = if direct::readable(inbox) {
-        let borrowed: Vec<&str> = ids.iter().map(String::as_str).collect();
-        let found = direct::find_each(inbox, &borrowed);
-        ids.iter().zip(found).filter_map(|(id, row)| Some((id.clone(), row?.expires_at))).collect()
-    } else {
-        Spi::connect(|client| {
-            let rows = match ids {
-                [id] => inbox.run(client, Stmt::ProbeOne, &[id.as_str().into()]),
-                _ => inbox.run(client, Stmt::Probe, &[ids.to_vec().into()]),
-            };
-            rows.map(|row| {
-                let id: String = row.get(1).ok().flatten().expect("id is NOT NULL");
-                (id, row.get(2).ok().flatten().expect("expires_at is NOT NULL"))
-            })
-            .collect()
-        })
-    };
-    let (live, mut expired): (Vec<_>, Vec<_>) = rows.into_iter().partition(|(_, expires)| *expires > now);
-    expired.sort_unstable_by(|a, b| a.0.cmp(&b.0));
-    (live.into_iter().map(|(id, _)| id).collect(), expired.into_iter().map(|(id, _)| id).collect())
+    let borrowed: Vec<&str> = ids.iter().map(String::as_str).collect();
+    let (live, mut expired): (Vec<_>, Vec<_>) = ids
+        .iter()
+        .zip(rows::find(inbox, &borrowed))
+        .filter_map(|(id, row)| Some((id, row?.expires_at)))
+        .partition(|(_, expires)| *expires > now);
+    expired.sort_unstable_by(|a, b| a.0.cmp(b.0));
+    (live.into_iter().map(|(id, _)| id.clone()).collect(), expired.into_iter().map(|(id, _)| id.clone()).collect())
 }
 
 fn returned_ids(inbox: &Inbox, stmt: Stmt, args: &[pgrx::datum::DatumWithOid<'_>]) -> HashSet<String> {
@@ -266,25 +187,15 @@ fn returned_ids(inbox: &Inbox, stmt: Stmt, args: &[pgrx::datum::DatumWithOid<'_>
 
 /// Is there a live mark for `id` visible to this transaction? The filter answers "certainly not" when it can.
 pub fn seen_id(inbox: &Inbox, id: &str) -> bool {
-    let Some(filter) = trusted_filter(inbox) else { return live_row(inbox, id) };
-    inbox.count(Counter::Lookups, 1);
-    if !filter.may_contain(id) {
-        inbox.count(Counter::CertainlyNew, 1);
+    let certainly_new = gate::certainly_new(inbox, id);
+    if certainly_new == Some(true) {
         return false;
     }
-    let seen = live_row(inbox, id);
-    if !seen {
+    let seen = rows::find_one(inbox, id).is_some_and(|row| row.expires_at > statement_now());
+    if !seen && certainly_new == Some(false) {
         inbox.count(Counter::FalsePositives, 1);
     }
     seen
-}
-
-/// Does the index hold a live mark for `id`, visible to this transaction?
-fn live_row(inbox: &Inbox, id: &str) -> bool {
-    if direct::readable(inbox) {
-        return direct::find(inbox, id).is_some_and(|row| row.expires_at > statement_now());
-    }
-    Spi::connect(|client| !inbox.run(client, Stmt::Seen, &[id.into(), statement_now().into()]).is_empty())
 }
 
 /// Deletes the row for `id`, live or expired; true if a live mark was removed.

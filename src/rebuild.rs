@@ -2,7 +2,7 @@
 //! created by a restore or whose trigger was repaired, and when a rotation makes a fresh generation to shed expired
 //! marks. Also the background worker's upkeep of the filter (`repair_triggers`, then `look_after_filter`).
 
-use crate::errors::{raise, server_log};
+use crate::errors::{self, raise, server_log};
 use crate::filter::{self, RebuildGuard};
 use crate::shmem::{self, namespace};
 use crate::trigger::{self, State};
@@ -178,7 +178,10 @@ fn bloom_rebuild() -> i64 {
                     Skipped::Unguarded(state) => format!("its {} trigger is {}", trigger::NAME, state.label()),
                     Skipped::NoRoom => format!("shared memory holds at most {} inboxes", shmem::MAX_INBOXES),
                 };
-                notice!("dedup: {table} was not loaded into the Bloom filter: {why}; the worker tries again");
+                errors::notice(
+                    format!("{table} was not loaded into the Bloom filter: {why}; the worker tries again"),
+                    None,
+                );
             }
             done.keys
         }

@@ -102,7 +102,7 @@ pub struct Shape {
     /// Has the table the claim columns (`fingerprint` and the rest)? Not yet in a database whose extension is
     /// still at 0.2.0 while the 0.3.0 library runs (between the restart and `ALTER EXTENSION pg_dedup UPDATE`).
     pub claim_columns: bool,
-    /// The primary key's index (InvalidOid if an owner dropped it), which `direct::find` reads.
+    /// The primary key's index (InvalidOid if an owner dropped it), which `direct::find_each` reads.
     pub pkey: pg_sys::Oid,
     /// Distributed by Citus (`citus`): its rows live in shards elsewhere, and only SQL reaches them.
     pub distributed: bool,
