@@ -75,6 +75,8 @@ fn every_earlier_release_upgrades_keeping_its_marks_and_ends_up_like_a_fresh_ins
         let name = format!("upgrade_from_{}", version.replace('.', "_"));
         let mut c = database_at(&name, version);
         assert_eq!(&installed_version(&mut c), version);
+        // Before the update, the old SQL reads its stats through the functions the library keeps for it.
+        c.query("SELECT * FROM dedup.stats", &[]).unwrap_or_else(|e| panic!("dedup.stats of {version}: {e}"));
         c.batch_execute("SELECT dedup.create_inbox('orders', '7 days')").unwrap();
         assert_eq!(c.query("SELECT * FROM dedup.mark_many($1)", &[&ids]).unwrap().len(), 500);
         assert!(c.query_one("SELECT dedup.mark('o-1', NULL, 'orders')", &[]).unwrap().get::<_, bool>(0));
@@ -223,7 +225,17 @@ fn an_update_from_0_3_0_records_what_attached_keys_depend_on() {
     .unwrap();
     assert_eq!(count(&mut c, "feed"), 1);
     assert_eq!(count(&mut c, "dedup.attachments"), 2);
+    // A monitoring role as docs/privileges.md of 0.3.0 set it up.
+    c.batch_execute(
+        "DROP ROLE IF EXISTS monitor_030; CREATE ROLE monitor_030 LOGIN; GRANT USAGE ON SCHEMA dedup TO monitor_030;
+         GRANT SELECT ON dedup.stats, dedup.inbox_registry, dedup.inbox_default TO monitor_030;
+         GRANT EXECUTE ON FUNCTION dedup.inbox_counters(), dedup.worker_stats(), dedup.filter_stats() TO monitor_030;",
+    )
+    .unwrap();
     c.batch_execute("ALTER EXTENSION pg_dedup UPDATE").unwrap();
+    let mut monitor = cluster().connect_as("upgrade_attach", "monitor_030");
+    let inboxes: i64 = monitor.query_one("SELECT count(*) FROM dedup.stats", &[]).unwrap().get(0);
+    assert_eq!(inboxes, 1, "the monitoring role still reads dedup.stats (EXECUTE on inbox_figures() came along)");
     let attached: Vec<String> =
         c.query("SELECT tbl::text FROM dedup.attachments", &[]).unwrap().iter().map(|r| r.get(0)).collect();
     assert_eq!(attached, ["feed"], "the attachment of the table that is gone went");
