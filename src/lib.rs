@@ -31,6 +31,7 @@
 //! - `shmem`   — the shared memory region: filter words, per-inbox state and counters, worker slots
 //!
 //! Foundations:
+//! - `plans`   — prepared statements kept per backend: `statements!` and `Plans`
 //! - `relcache` — per-backend caches of what is built from a table, made stale by the table's invalidations
 //! - `rights`  — acting as a table's owner (the worker's purge) or as the extension's owner (creating inboxes)
 //! - `clock`   — the time expiry is measured against
@@ -58,6 +59,7 @@ mod inboxes;
 mod input;
 mod jsonb;
 mod mark;
+mod plans;
 mod ports;
 mod positions;
 mod purge;

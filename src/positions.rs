@@ -22,23 +22,22 @@ use crate::clock::{expiry, statement_now};
 use crate::errors::{internal, raise};
 use crate::inbox::{self, Access, Inbox};
 use crate::input;
+use crate::plans::{statements, Plans};
 use crate::rights;
 use crate::shmem::Counter;
 use pgrx::prelude::*;
-use pgrx::spi::{OwnedPreparedStatement, SpiTupleTable};
-use std::cell::OnceCell;
+use pgrx::spi::SpiTupleTable;
 
-/// The positions table's statements, prepared once per backend.
-#[derive(Clone, Copy)]
-enum Stmt {
+statements! {
+    /// $1 inbox, $2 key → (position, expires_at) of the key's row visible now.
     Read,
+    /// $1 inbox, $2 key, $3 position, $4 expires_at, $5 now → a row if the position was stored.
     Upsert,
+    /// $1 inbox, $2 now, $3 batch size → deletes up to that many expired positions, skipping held rows.
     PurgeBatch,
 }
 
 impl Stmt {
-    const ALL: usize = 3;
-
     fn sql(self) -> &'static str {
         match self {
             Stmt::Read => {
@@ -72,7 +71,7 @@ impl Stmt {
 }
 
 thread_local! {
-    static PLANS: [OnceCell<OwnedPreparedStatement>; Stmt::ALL] = Default::default();
+    static PLANS: Plans<{ Stmt::COUNT }> = Plans::default();
 }
 
 /// Runs `stmt` as the extension's owner (the caller's rights on the inbox were checked when it was opened).
@@ -80,12 +79,7 @@ fn run<R>(function: &str, stmt: Stmt, args: &[pgrx::datum::DatumWithOid<'_>], f:
     rights::as_extension_owner(function, || {
         Spi::connect(|client| {
             PLANS.with(|plans| {
-                let plan = plans[stmt as usize].get_or_init(|| {
-                    client
-                        .prepare_mut(stmt.sql(), &stmt.arg_types())
-                        .unwrap_or_else(|e| internal("preparing a positions statement", e))
-                        .keep()
-                });
+                let plan = plans.get(client, stmt as usize, || stmt.sql().to_owned(), || stmt.arg_types());
                 f(client.select(plan, None, args).unwrap_or_else(|e| internal("running a positions statement", e)))
             })
         })

@@ -18,12 +18,12 @@ pub use stmt::Stmt;
 
 use crate::errors::internal;
 use crate::filter::Trusted;
+use crate::plans::Plans;
 use crate::shmem;
 use crate::trigger::{self, State};
 use pgrx::prelude::*;
 use pgrx::spi::{OwnedPreparedStatement, SpiClient, SpiTupleTable};
 use std::cell::OnceCell;
-use stmt::STATEMENT_COUNT;
 
 pub const SCHEMA: &str = "dedup";
 pub const DEFAULT_INBOX: &str = "default";
@@ -74,7 +74,7 @@ pub struct Inbox {
     /// once per backend rather than on every count.
     entry: Option<&'static shmem::Entry>,
     stale: crate::relcache::Stale,
-    plans: [OnceCell<OwnedPreparedStatement>; STATEMENT_COUNT],
+    plans: Plans<{ Stmt::COUNT }>,
     shape: OnceCell<Shape>,
 }
 
@@ -211,12 +211,7 @@ impl Inbox {
 
     /// The statement's plan, prepared on first use.
     pub fn plan(&self, client: &SpiClient<'_>, stmt: Stmt) -> &OwnedPreparedStatement {
-        self.plans[stmt.index()].get_or_init(|| {
-            client
-                .prepare_mut(stmt.sql(&self.table, self.shape()).as_str(), &stmt.arg_types())
-                .unwrap_or_else(|e| internal("preparing a statement", e))
-                .keep()
-        })
+        self.plans.get(client, stmt as usize, || stmt.sql(&self.table, self.shape()), || stmt.arg_types())
     }
 
     /// Runs one of the inbox's statements through its cached plan.

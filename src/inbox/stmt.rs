@@ -1,19 +1,8 @@
 //! Every SQL statement pg_dedup runs against an inbox table, prepared once per backend and inbox (see `cache`).
 //! Names and operators are schema-qualified so that nothing on the caller's `search_path` can take their place.
 
+use crate::plans::statements;
 use pgrx::PgOid;
-
-macro_rules! statements {
-    ($($(#[$doc:meta])* $name:ident,)*) => {
-        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-        pub enum Stmt {
-            $($(#[$doc])* $name,)*
-        }
-
-        /// How many statements there are: one cached plan each.
-        pub const STATEMENT_COUNT: usize = [$(Stmt::$name),*].len();
-    };
-}
 
 statements! {
     /// $1 id, $2 expires_at → a row if the id was inserted.
@@ -50,10 +39,6 @@ statements! {
 }
 
 impl Stmt {
-    pub(super) fn index(self) -> usize {
-        self as usize
-    }
-
     /// The statement's text for `table` of shape `shape`: whether it has the claim columns yet, and whether Citus
     /// distributes it (two statements then take a form Citus can run: the batch insert's RETURNING read through a
     /// CTE, which Citus's INSERT ... SELECT otherwise miscounts under SPI, and the purge by id, as Citus refuses
