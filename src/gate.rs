@@ -26,7 +26,11 @@ pub fn maybe(inbox: &Inbox, ids: &[&str]) -> Option<Vec<bool>> {
 /// `maybe` of one id: Some(true) if the filter vouches that `id` was never written to `inbox` (so it may go straight
 /// in), Some(false) for "maybe", None when no filter answers.
 pub fn certainly_new(inbox: &Inbox, id: &str) -> Option<bool> {
-    maybe(inbox, &[id]).map(|maybe| !maybe[0])
+    tell_once_if_degraded();
+    let certainly_new = !inbox.filter()?.may_contain(id);
+    inbox.count(Counter::Lookups, 1);
+    inbox.count(Counter::CertainlyNew, certainly_new as u64);
+    Some(certainly_new)
 }
 
 /// When the installation is why no filter answers (no preloading, or no worker for this database), says so once per

@@ -107,48 +107,52 @@ fn load_inbox(guard: &RebuildGuard, target: usize, relid: pg_sys::Oid) -> Result
 /// # Safety
 /// `rel` must be an open inbox table.
 unsafe fn scan_ids(rel: pg_sys::Relation, mut load: impl FnMut(&[u64])) -> i64 {
-    let ns = namespace((*rel).rd_id);
-    let mut snapshot: pg_sys::SnapshotData = std::mem::zeroed();
-    snapshot.snapshot_type = pg_sys::SnapshotType::SNAPSHOT_DIRTY;
-    // Detoasted ids (a long one can be compressed) live here, freed every batch.
-    let memory = pg_sys::AllocSetContextCreateExtended(
-        pg_sys::CurrentMemoryContext,
-        c"pg_dedup filter load".as_ptr(),
-        pg_sys::ALLOCSET_DEFAULT_MINSIZE as usize,
-        pg_sys::ALLOCSET_DEFAULT_INITSIZE as usize,
-        pg_sys::ALLOCSET_DEFAULT_MAXSIZE as usize,
-    );
-    let scan = pg_sys::table_beginscan(rel, &mut snapshot, 0, std::ptr::null_mut());
-    let slot = pg_sys::table_slot_create(rel, std::ptr::null_mut());
-    let mut hashes = Vec::with_capacity(BATCH);
-    let mut rows = 0i64;
-    loop {
-        let more = pg_sys::table_scan_getnextslot(scan, pg_sys::ScanDirection::ForwardScanDirection, slot);
-        if more {
-            let mut isnull = false;
-            let id = pg_sys::slot_getattr(slot, 1, &mut isnull);
-            if !isnull {
-                let caller = pg_sys::MemoryContextSwitchTo(memory);
-                let text = pg_sys::pg_detoast_datum_packed(id.cast_mut_ptr());
-                hashes.push(pg_dedup_bloom::hash_key(ns, pgrx::varlena::varlena_to_byte_slice(text)));
-                pg_sys::MemoryContextSwitchTo(caller);
-                rows += 1;
+    // SAFETY: the caller vouches for the relation; the scan, its slot and the memory context are made and released here,
+    // and each id is detoasted into that context, which is reset only once its hash is taken.
+    unsafe {
+        let ns = namespace((*rel).rd_id);
+        let mut snapshot: pg_sys::SnapshotData = std::mem::zeroed();
+        snapshot.snapshot_type = pg_sys::SnapshotType::SNAPSHOT_DIRTY;
+        // Detoasted ids (a long one can be compressed) live here, freed every batch.
+        let memory = pg_sys::AllocSetContextCreateExtended(
+            pg_sys::CurrentMemoryContext,
+            c"pg_dedup filter load".as_ptr(),
+            pg_sys::ALLOCSET_DEFAULT_MINSIZE as usize,
+            pg_sys::ALLOCSET_DEFAULT_INITSIZE as usize,
+            pg_sys::ALLOCSET_DEFAULT_MAXSIZE as usize,
+        );
+        let scan = pg_sys::table_beginscan(rel, &mut snapshot, 0, std::ptr::null_mut());
+        let slot = pg_sys::table_slot_create(rel, std::ptr::null_mut());
+        let mut hashes = Vec::with_capacity(BATCH);
+        let mut rows = 0i64;
+        loop {
+            let more = pg_sys::table_scan_getnextslot(scan, pg_sys::ScanDirection::ForwardScanDirection, slot);
+            if more {
+                let mut isnull = false;
+                let id = pg_sys::slot_getattr(slot, 1, &mut isnull);
+                if !isnull {
+                    let caller = pg_sys::MemoryContextSwitchTo(memory);
+                    let text = pg_sys::pg_detoast_datum_packed(id.cast_mut_ptr());
+                    hashes.push(pg_dedup_bloom::hash_key(ns, pgrx::varlena::varlena_to_byte_slice(text)));
+                    pg_sys::MemoryContextSwitchTo(caller);
+                    rows += 1;
+                }
+            }
+            if hashes.len() == BATCH || (!more && !hashes.is_empty()) {
+                load(&hashes);
+                hashes.clear();
+                pg_sys::MemoryContextReset(memory);
+                pg_sys::check_for_interrupts!();
+            }
+            if !more {
+                break;
             }
         }
-        if hashes.len() == BATCH || (!more && !hashes.is_empty()) {
-            load(&hashes);
-            hashes.clear();
-            pg_sys::MemoryContextReset(memory);
-            pg_sys::check_for_interrupts!();
-        }
-        if !more {
-            break;
-        }
+        pg_sys::ExecDropSingleTupleTableSlot(slot);
+        pg_sys::table_endscan(scan);
+        pg_sys::MemoryContextDelete(memory);
+        rows
     }
-    pg_sys::ExecDropSingleTupleTableSlot(slot);
-    pg_sys::table_endscan(scan);
-    pg_sys::MemoryContextDelete(memory);
-    rows
 }
 
 /// `dedup.bloom_rebuild()`: rotate now (fresh generation, reloaded from this database's inboxes).

@@ -169,6 +169,7 @@ fn serving(pid: i32, db: pg_sys::Oid) -> bool {
     // SAFETY: looks the pid up in the shared process array (under its lock); the PGPROC it returns stays in shared
     // memory, and only its database is read.
     let proc = unsafe { pg_sys::BackendPidGetProc(pid) };
+    // SAFETY: a PGPROC found above, in shared memory for the life of the server.
     !proc.is_null() && unsafe { (*proc).databaseId } == db
 }
 

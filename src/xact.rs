@@ -105,9 +105,9 @@ pub fn try_transaction<R>(body: impl FnOnce() -> R + std::panic::UnwindSafe) -> 
     .catch_others(|caught| {
         let report = report_of(&caught);
         let error = (report.sql_error_code(), report.message().to_owned());
-        // SAFETY: aborting releases the snapshot and everything else the transaction held; a statement timeout the
-        // body armed (purge batches) must not fire in the next transaction.
+        // A statement timeout the body armed (purge batches) must not fire in the next transaction.
         ports::disable_statement_timeout();
+        // SAFETY: aborting releases the snapshot and everything else the transaction held.
         unsafe {
             pg_sys::AbortCurrentTransaction();
             pg_sys::MemoryContextSwitchTo(context);

@@ -112,31 +112,41 @@ impl Shape {
     /// # Safety
     /// `rel` must be an open relation.
     unsafe fn of(rel: pg_sys::Relation) -> Shape {
-        let form = &*(*rel).rd_rel;
-        let desc = pgrx::PgTupleDesc::from_pg_unchecked((*rel).rd_att);
-        let column_is = |i: usize, name: &str, type_oid: pg_sys::Oid| {
-            desc.get(i).is_some_and(|a| !a.attisdropped && a.atttypid == type_oid && a.name() == name)
-        };
-        let constr = (*(*rel).rd_att).constr;
-        let triggers = (*rel).trigdesc;
-        let only_ours =
-            triggers.is_null() || ((*triggers).numtriggers == 1 && trigger::is_guarding(&*(*triggers).triggers));
-        let distributed = crate::citus::distributed((*rel).rd_id);
-        let plain = !distributed
-            && form.relkind == pg_sys::RELKIND_RELATION as std::ffi::c_char
-            && form.reloftype != pg_sys::InvalidOid
-            && !form.relispartition
-            && !form.relrowsecurity
-            && desc.len() == COLUMNS.len()
-            && COLUMNS.iter().enumerate().all(|(i, (name, type_oid))| column_is(i, name, *type_oid))
-            // No CHECK constraints, defaults or generated columns (none can be added to a typed table's own
-            // columns but CHECK; the rest is belt and braces).
-            && (constr.is_null()
-                || ((*constr).num_check == 0 && (*constr).num_defval == 0 && !(*constr).has_generated_stored))
-            && (*rel).rd_rules.is_null()
-            && only_ours;
-        let claim_columns = (0..desc.len()).any(|i| column_is(i, "completed", pg_sys::BOOLOID));
-        Shape { trigger: State::of(rel), plain, claim_columns, pkey: crate::ports::primary_key_index(rel), distributed }
+        // SAFETY: the caller vouches for the relation; its pg_class row, tuple descriptor, constraints, rules and triggers
+        // are only read.
+        unsafe {
+            let form = &*(*rel).rd_rel;
+            let desc = pgrx::PgTupleDesc::from_pg_unchecked((*rel).rd_att);
+            let column_is = |i: usize, name: &str, type_oid: pg_sys::Oid| {
+                desc.get(i).is_some_and(|a| !a.attisdropped && a.atttypid == type_oid && a.name() == name)
+            };
+            let constr = (*(*rel).rd_att).constr;
+            let triggers = (*rel).trigdesc;
+            let only_ours =
+                triggers.is_null() || ((*triggers).numtriggers == 1 && trigger::is_guarding(&*(*triggers).triggers));
+            let distributed = crate::citus::distributed((*rel).rd_id);
+            let plain = !distributed
+                && form.relkind == pg_sys::RELKIND_RELATION as std::ffi::c_char
+                && form.reloftype != pg_sys::InvalidOid
+                && !form.relispartition
+                && !form.relrowsecurity
+                && desc.len() == COLUMNS.len()
+                && COLUMNS.iter().enumerate().all(|(i, (name, type_oid))| column_is(i, name, *type_oid))
+                // No CHECK constraints, defaults or generated columns (none can be added to a typed table's own
+                // columns but CHECK; the rest is belt and braces).
+                && (constr.is_null()
+                    || ((*constr).num_check == 0 && (*constr).num_defval == 0 && !(*constr).has_generated_stored))
+                && (*rel).rd_rules.is_null()
+                && only_ours;
+            let claim_columns = (0..desc.len()).any(|i| column_is(i, "completed", pg_sys::BOOLOID));
+            Shape {
+                trigger: State::of(rel),
+                plain,
+                claim_columns,
+                pkey: crate::ports::primary_key_index(rel),
+                distributed,
+            }
+        }
     }
 }
 
