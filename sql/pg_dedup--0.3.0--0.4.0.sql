@@ -1,14 +1,17 @@
 -- pg_dedup 0.3.0 -> 0.4.0.
 --
 -- What changes:
--- 1. attach() (docs/ingest.md): an attachment's trigger names the key in its WHEN clause (always true, and free),
---    so that PostgreSQL records what the key depends on, as for an index expression: dropping a function or a
---    column the key uses is refused (or, with CASCADE, takes the trigger and so the attachment). Every attachment
---    is made again here with attach(), which re-creates its trigger that way. Before that, attachments whose table
---    is gone or no longer has its trigger (a temporary table attached with 0.3.0 whose session ended, a table
---    dropped while the event trigger was disabled) are removed: 0.3.0 kept them, and drop_inbox() then refused their
---    inbox for good. attach() now refuses temporary tables; one attached with 0.3.0 is left as it is (its session's
---    end takes it, and the next attach(), detach() or drop_inbox() removes its attachment).
+-- 1. attach() (docs/ingest.md): PostgreSQL records what an attachment's key uses (functions, operators, types,
+--    columns) as dependencies of its trigger, as for an index expression, so dropping one is refused (or, with
+--    CASCADE, takes the trigger and so the attachment); and the trigger fires for UPDATE and DELETE too, so that a
+--    row an UPDATE moves to another partition is not dropped as a duplicate of itself. Every attachment is made
+--    again here with attach() (which analyses the key as the table's owner, in a security-restricted operation);
+--    one whose key no longer fits its table stays as 0.3.0 made it, with a WARNING naming it. Before that,
+--    attachments whose table is gone or no longer has its trigger (a temporary table attached with 0.3.0 whose
+--    session ended, a table dropped while the event trigger was disabled) are removed: 0.3.0 kept them, and
+--    drop_inbox() then refused their inbox for good. attach() now refuses temporary tables; one attached with 0.3.0
+--    is left as it is (its session's end takes it, and the next attach(), detach() or drop_inbox() removes its
+--    attachment).
 -- 2. dedup.stats reads the counters by name, from dedup.inbox_figures() (src/shmem.rs holds their one list), in
 --    place of dedup.inbox_counters(), whose row every new counter had to be added to. The view's columns stay as
 --    they were (CREATE OR REPLACE keeps its grants).
@@ -19,10 +22,26 @@ DELETE FROM dedup.attachment_registry a
                     WHERE t.tgrelid OPERATOR(pg_catalog.=) a.tbl
                       AND t.tgname OPERATOR(pg_catalog.=) 'zz_dedup_attached'
                       AND t.tgparentid OPERATOR(pg_catalog.=) 0);
-SELECT dedup.attach(a.tbl, a.key, a.ttl, a.inbox, a.on_duplicate)
-  FROM dedup.attachment_registry a
-  JOIN pg_catalog.pg_class c ON c.oid OPERATOR(pg_catalog.=) a.tbl
- WHERE c.relpersistence OPERATOR(pg_catalog.<>) 't';
+DO $reattach$
+DECLARE
+    a record;
+BEGIN
+    FOR a IN
+        SELECT r.tbl, r.key, r.ttl, r.inbox, r.on_duplicate
+          FROM dedup.attachment_registry r
+          JOIN pg_catalog.pg_class c ON c.oid OPERATOR(pg_catalog.=) r.tbl
+         WHERE c.relpersistence OPERATOR(pg_catalog.<>) 't'
+    LOOP
+        BEGIN
+            PERFORM dedup.attach(a.tbl, a.key, a.ttl, a.inbox, a.on_duplicate);
+        EXCEPTION WHEN OTHERS THEN
+            RAISE WARNING 'pg_dedup: % stays attached as pg_dedup 0.3.0 attached it: %', a.tbl, SQLERRM
+                USING HINT = 'What its key uses is not recorded, and an UPDATE that moves its rows between '
+                             'partitions drops them. Attach it again with a key that fits the table, or detach it.';
+        END;
+    END LOOP;
+END
+$reattach$;
 
 CREATE FUNCTION dedup.inbox_figures() RETURNS TABLE (
 	"inbox" TEXT,

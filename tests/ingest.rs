@@ -158,7 +158,8 @@ fn a_logical_replication_subscriber_drops_what_it_is_sent_twice() {
     publisher
         .batch_execute(
             "CREATE TABLE orders (seq int PRIMARY KEY, order_id text NOT NULL, amount int);
-             CREATE PUBLICATION orders_pub FOR TABLE orders;",
+             CREATE TABLE moves (id int, event_id text, day int); ALTER TABLE moves REPLICA IDENTITY FULL;
+             CREATE PUBLICATION orders_pub FOR TABLE orders, moves;",
         )
         .unwrap();
     // Made apart: a subscription to its own cluster cannot create its slot (it would wait for itself).
@@ -174,6 +175,12 @@ fn a_logical_replication_subscriber_drops_what_it_is_sent_twice() {
              CREATE TABLE orders (seq int PRIMARY KEY, order_id text NOT NULL, amount int);
              ALTER TABLE orders OWNER TO app;
              SELECT dedup.attach('orders', 'order_id');
+             CREATE TABLE moves (id int, event_id text, day int) PARTITION BY RANGE (day);
+             CREATE TABLE moves_1 PARTITION OF moves FOR VALUES FROM (1) TO (2);
+             CREATE TABLE moves_2 PARTITION OF moves FOR VALUES FROM (2) TO (3);
+             ALTER TABLE moves REPLICA IDENTITY FULL; ALTER TABLE moves_1 REPLICA IDENTITY FULL;
+             ALTER TABLE moves_2 REPLICA IDENTITY FULL;
+             SELECT dedup.attach('moves', 'event_id');
              CREATE SUBSCRIPTION orders_sub CONNECTION '{}' PUBLICATION orders_pub
                WITH (create_slot = false, slot_name = 'orders_sub', copy_data = false);",
             server.conn_string("ingest_pub", "postgres")
@@ -191,6 +198,24 @@ fn a_logical_replication_subscriber_drops_what_it_is_sent_twice() {
     let first: i64 =
         subscriber.query_one("SELECT max(seq)::bigint FROM orders WHERE order_id <> 'last'", &[]).unwrap().get(0);
     assert_eq!(first, 50, "the first delivery of each order was kept");
+    // An UPDATE that moves a row to another of the subscriber's partitions is applied as a delete and an insert: the
+    // row must not be dropped as a duplicate of itself.
+    publisher
+        .batch_execute(
+            "INSERT INTO moves VALUES (1, 'm1', 1), (2, 'm2', 1); UPDATE moves SET day = 2 WHERE id = 1;
+             INSERT INTO orders VALUES (1001, 'last-after-moves', 0);",
+        )
+        .unwrap();
+    eventually("the subscriber applied the move", || {
+        count(&mut subscriber, "orders WHERE order_id = 'last-after-moves'") == 1
+    });
+    let moves: Vec<String> = subscriber
+        .query("SELECT event_id || '@' || day FROM moves ORDER BY 1", &[])
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(moves, ["m1@2", "m2@1"]);
     subscriber.batch_execute("DROP SUBSCRIPTION orders_sub").unwrap();
     server.destroy();
 }
@@ -339,4 +364,56 @@ fn a_function_the_key_calls_is_kept_or_replaced_for_every_session() {
     assert_eq!(count(&mut s, "pl"), 2);
     let left: i64 = s.query_one("SELECT count(*) FROM dedup.attachments", &[]).unwrap().get(0);
     assert_eq!(left, 1, "only `inlined` is attached still");
+}
+
+/// A DROP prunes attachments left without their trigger; it must never wait for another session's open transaction
+/// that pruned (or holds) the same registry row.
+#[test]
+fn a_drop_never_waits_for_someone_elses_prune() {
+    let cluster = cluster();
+    let mut owner = db("ingest_prune_wait");
+    owner
+        .batch_execute(
+            "CREATE TABLE own_t (id text); SELECT dedup.attach('own_t', 'id');
+             ALTER TRIGGER zz_dedup_attached ON own_t RENAME TO zz_renamed;
+             CREATE TABLE unrelated (x int);",
+        )
+        .unwrap();
+    // The renamed trigger left a stale attachment; this session's DROP prunes it and stays open.
+    let mut holder = cluster.connect("ingest_prune_wait");
+    holder.batch_execute("BEGIN; CREATE TABLE scratch (x int); DROP TABLE scratch").unwrap();
+    let mut other = cluster.connect("ingest_prune_wait");
+    // Before the fix: 55P03 after 3 s, waiting on the holder's transaction.
+    other.batch_execute("SET lock_timeout = '3s'; DROP TABLE unrelated").unwrap();
+    holder.batch_execute("COMMIT").unwrap();
+    assert_eq!(count(&mut owner, "dedup.attachments"), 0, "pruned by the holder");
+}
+
+/// drop_inbox() waits for an attach() of the same inbox that is in progress, then sees its attachment and refuses.
+#[test]
+fn drop_inbox_sees_an_attachment_committed_while_it_waited() {
+    let cluster = cluster();
+    let mut a = db("ingest_drop_race");
+    a.batch_execute("SELECT dedup.create_inbox('dix'); CREATE TABLE di (e text)").unwrap();
+    a.batch_execute("BEGIN; SELECT dedup.attach('di', 'e', inbox => 'dix')").unwrap();
+    let dropper = std::thread::spawn(move || {
+        let mut b = cluster.connect("ingest_drop_race");
+        b.batch_execute("SELECT dedup.drop_inbox('dix')").map_err(|e| sqlstate(&e))
+    });
+    let mut observer = cluster.connect("ingest_drop_race");
+    eventually("drop_inbox() waits for the attach()", || {
+        observer
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE query LIKE '%drop_inbox%' AND wait_event_type = 'Lock'",
+                &[],
+            )
+            .unwrap()
+            .get::<_, i64>(0)
+            == 1
+    });
+    a.batch_execute("COMMIT").unwrap();
+    // Before the fix the drop went through, and every insert into di then failed (its inbox was gone).
+    assert_eq!(dropper.join().unwrap(), Err("2BP01".to_owned()));
+    a.batch_execute("INSERT INTO di VALUES ('x'), ('x')").unwrap();
+    assert_eq!(count(&mut a, "di"), 1);
 }

@@ -152,6 +152,26 @@ fn check_table(purpose: Purpose, relid: pg_sys::Oid) -> String {
             "Ask the table's owner (or a superuser) to do it.",
         )
     }
+    // The trigger goes onto every partition too, which CREATE TRIGGER allows only with TRIGGER on each (the
+    // extension's owner, which creates it, would skip that check).
+    if purpose == Purpose::Attach && class.kind == pg_sys::RELKIND_PARTITIONED_TABLE {
+        let refused: Option<String> = Spi::get_one_with_args(
+            "SELECT pg_catalog.string_agg(t.relid::pg_catalog.regclass::pg_catalog.text, ', ')
+               FROM pg_catalog.pg_partition_tree($1) t
+              WHERE t.relid OPERATOR(pg_catalog.<>) $1
+                AND NOT pg_catalog.has_table_privilege($2, t.relid, 'TRIGGER')",
+            &[relid.into(), rights::caller().into()],
+        )
+        .unwrap_or_else(|e| internal("checking the partitions' privileges", e));
+        if let Some(refused) = refused {
+            raise(
+                PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
+                format!("permission denied to attach {name}: its trigger would go onto partitions {refused}"),
+                "The caller needs TRIGGER on every partition (their owners have it), as CREATE TRIGGER on the \
+                 partitioned table requires.",
+            )
+        }
+    }
     name
 }
 
@@ -159,8 +179,15 @@ fn check_table(purpose: Purpose, relid: pg_sys::Oid) -> String {
 /// caller in (before the lock and again after it). Returns it with its name.
 fn open_table(purpose: Purpose, relid: pg_sys::Oid) -> (pg_sys::Relation, String) {
     check_table(purpose, relid);
-    // SAFETY: opens (and locks, until the transaction ends) a relation by oid; raises a clean ERROR if it is gone.
-    let rel = unsafe { pg_sys::relation_open(relid, pg_sys::ShareRowExclusiveLock as pg_sys::LOCKMODE) };
+    // SAFETY: opens (and locks, until the transaction ends) a relation by oid; NULL if it went while we waited.
+    let rel = unsafe { pg_sys::try_relation_open(relid, pg_sys::ShareRowExclusiveLock as pg_sys::LOCKMODE) };
+    if rel.is_null() {
+        raise(
+            PgSqlErrorCode::ERRCODE_UNDEFINED_TABLE,
+            format!("relation with OID {} was dropped while {}() waited for it", relid.to_u32(), purpose.function()),
+            "Nothing was changed.",
+        )
+    }
     (rel, check_table(purpose, relid))
 }
 
@@ -210,7 +237,7 @@ fn attach(
     inbox::open(inbox_name, Access::Mark);
     // SAFETY: the relation is open and locked.
     let key = unsafe {
-        let key = key::canonical(rel, key);
+        let key = key::canonical(rel, key, &table);
         pg_sys::relation_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
         key
     };
@@ -237,15 +264,22 @@ fn attach(
                     "Attach only the partitioned table at the top: its partitions are covered. Detach the other first.",
                 )
             }
+            if registry::foreign_trigger(relid) {
+                raise(
+                    PgSqlErrorCode::ERRCODE_DUPLICATE_OBJECT,
+                    format!("{table} has a trigger named {TRIGGER} that is not pg_dedup's"),
+                    format!("Rename or drop that trigger first (ALTER TRIGGER {TRIGGER} ON {table} RENAME TO ...)."),
+                )
+            }
             // Re-created even when it exists: every backend's compiled key for the table goes with the relcache
             // invalidation this causes (also on each partition, whose clone is re-created too). Before the registry
-            // row is written: dropping the old trigger prunes the old row (`watch_drop`).
+            // row is written: dropping the old trigger prunes the old row (`watch_drop`). UPDATE and DELETE: see
+            // `row_trigger::Moving`.
             let ddl = format!(
                 "DROP TRIGGER IF EXISTS {TRIGGER} ON {table}; \
-                 CREATE TRIGGER {TRIGGER} BEFORE INSERT ON {table} FOR EACH ROW WHEN ({}) \
+                 CREATE TRIGGER {TRIGGER} BEFORE INSERT OR UPDATE OR DELETE ON {table} FOR EACH ROW \
                    EXECUTE FUNCTION dedup.attached_insert(); \
-                 ALTER TABLE {table} ENABLE ALWAYS TRIGGER {TRIGGER}",
-                key.condition
+                 ALTER TABLE {table} ENABLE ALWAYS TRIGGER {TRIGGER}"
             );
             // (Without "trigger ... does not exist, skipping" for a first attach.)
             guc::with_setting(c"client_min_messages", c"warning", || {
@@ -262,6 +296,8 @@ fn attach(
                     &args,
                 )
                 .unwrap_or_else(|e| internal("registering the attachment", e));
+            // SAFETY: the trigger was just created on the locked table; the expression was analysed against it.
+            unsafe { key::record_dependencies(relid, &key, &table) };
         })
     });
 }
@@ -663,5 +699,148 @@ mod tests {
         run("CREATE MATERIALIZED VIEW att_mv2 AS SELECT att_drops('public.att_scratch2') AS x WITH NO DATA");
         run("REFRESH MATERIALIZED VIEW att_mv2");
         assert_eq!(count("dedup.attachments"), 0);
+    }
+
+    #[pg_test]
+    fn attach_never_runs_what_a_key_parses_into_with_anyone_elses_rights() {
+        // A constant of a domain runs the domain's CHECK while the key is parsed; the check here records who it ran
+        // as. A table owner's key must only ever be parsed as that owner (never as the extension's owner, a
+        // superuser), and in a security-restricted operation, so that it cannot raise its own rights either.
+        run("CREATE ROLE att_esc; GRANT USAGE ON SCHEMA dedup TO att_esc;
+             GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA dedup TO att_esc;
+             GRANT SELECT ON dedup.inbox_registry TO att_esc;
+             GRANT SELECT, INSERT, UPDATE ON dedup.inbox_default TO att_esc;
+             CREATE TABLE att_esc_log (who text, restricted boolean); GRANT INSERT ON att_esc_log TO PUBLIC;
+             CREATE FUNCTION att_esc_check(t text) RETURNS boolean LANGUAGE plpgsql AS
+               $$ BEGIN INSERT INTO att_esc_log VALUES (current_user, false); RETURN true; END $$;
+             CREATE DOMAIN att_esc_d AS text CHECK (att_esc_check(VALUE));
+             CREATE TABLE att_esc_t (event_id text); ALTER TABLE att_esc_t OWNER TO att_esc");
+        run("SET LOCAL ROLE att_esc");
+        run("SELECT dedup.attach('att_esc_t', 'event_id || array_to_string(''{x}''::att_esc_d[], '''')')");
+        run("RESET ROLE");
+        assert_eq!(column("SELECT DISTINCT who FROM att_esc_log"), ["att_esc"], "parsed as the table's owner only");
+        // A superuser attaching the same table (or the extension's update attaching it again) parses it as its owner.
+        run("DELETE FROM att_esc_log; SELECT dedup.attach('att_esc_t', 'event_id || array_to_string(''{x}''::att_esc_d[], '''')')");
+        assert_eq!(column("SELECT DISTINCT who FROM att_esc_log"), ["att_esc"]);
+    }
+
+    #[pg_test]
+    fn attach_refuses_a_star_and_whole_row_keys() {
+        events("att_star");
+        for key in ["*", "att_star.*", "att_star::text", "att_star.*::text", "to_jsonb(att_star)::text"] {
+            let sql = format!("SELECT dedup.attach('att_star', '{key}')");
+            assert_dedup_error(&sql, PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE);
+        }
+        let (_, message) = error_of("SELECT dedup.attach('att_star', 'att_star::text')");
+        assert!(message.contains("whole row") && message.contains("att_star"), "{message}");
+    }
+
+    #[pg_test]
+    fn attach_an_update_that_moves_a_row_to_another_partition_keeps_it() {
+        for on_duplicate in ["skip", "error"] {
+            let t = format!("att_move_{on_duplicate}");
+            run(&format!(
+                "CREATE TABLE {t} (event_id text, day int) PARTITION BY RANGE (day);
+                 CREATE TABLE {t}_1 PARTITION OF {t} FOR VALUES FROM (1) TO (2);
+                 CREATE TABLE {t}_2 PARTITION OF {t} FOR VALUES FROM (2) TO (3);
+                 SELECT dedup.create_inbox('{t}');
+                 SELECT dedup.attach('{t}', 'event_id', inbox => '{t}', on_duplicate => '{on_duplicate}');
+                 INSERT INTO {t} VALUES ('a', 1), ('b', 1), ('c', 1);"
+            ));
+            assert_eq!(
+                one::<i64>(&format!(
+                    "WITH u AS (UPDATE {t} SET day = 2 WHERE event_id <> 'c' RETURNING 1) SELECT count(*) FROM u"
+                )),
+                2
+            );
+            run(&format!("UPDATE {t} SET day = 2, event_id = 'c2' WHERE event_id = 'c'"));
+            assert_eq!(
+                column(&format!("SELECT event_id || day FROM {t} ORDER BY 1")),
+                ["a2", "b2", "c22"],
+                "{on_duplicate}"
+            );
+            // Inserts are deduplicated as before, also right after a move.
+            if on_duplicate == "skip" {
+                run(&format!("INSERT INTO {t} VALUES ('a', 1), ('d', 1)"));
+                assert_eq!(count(&t), 4, "'a' is still a duplicate");
+            } else {
+                assert_dedup_error(
+                    &format!("INSERT INTO {t} VALUES ('a', 1)"),
+                    PgSqlErrorCode::ERRCODE_UNIQUE_VIOLATION,
+                );
+            }
+        }
+    }
+
+    #[pg_test]
+    fn attach_a_key_that_inserts_into_its_own_table_is_refused_cleanly() {
+        // A stable key function that calls a volatile one, which PostgreSQL does not look into.
+        run("CREATE TABLE att_reent (event_id text);
+             CREATE FUNCTION att_reent_ins(t text) RETURNS text LANGUAGE plpgsql VOLATILE AS $$
+             BEGIN
+               IF t NOT LIKE 'inner%' THEN INSERT INTO att_reent VALUES ('inner-' || t); END IF;
+               RETURN t;
+             END $$;
+             CREATE FUNCTION att_reent_key(t text) RETURNS text LANGUAGE plpgsql STABLE AS
+               $$ BEGIN RETURN att_reent_ins(t); END $$;
+             SELECT dedup.attach('att_reent', 'upper(event_id) || att_reent_key(event_id)')");
+        assert_dedup_error(
+            "INSERT INTO att_reent VALUES ('outer')",
+            PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
+        );
+        assert_eq!(count("att_reent"), 0);
+        run("INSERT INTO att_reent VALUES ('inner-1')");
+        assert_eq!(count("att_reent"), 1, "the key works where it does not re-enter");
+    }
+
+    #[pg_test]
+    fn attach_refuses_keys_on_temporary_objects() {
+        events("att_tmpfn");
+        run("CREATE FUNCTION pg_temp.att_norm(t text) RETURNS text LANGUAGE sql IMMUTABLE AS 'SELECT lower(t)'");
+        assert_dedup_error(
+            "SELECT dedup.attach('att_tmpfn', 'pg_temp.att_norm(event_id)')",
+            PgSqlErrorCode::ERRCODE_FEATURE_NOT_SUPPORTED,
+        );
+        assert_eq!(count("dedup.attachments"), 0);
+        assert_eq!(count("pg_trigger WHERE tgrelid = 'att_tmpfn'::regclass"), 0, "the trigger went with the refusal");
+    }
+
+    #[pg_test]
+    fn attach_a_partitioned_table_needs_trigger_rights_on_every_partition() {
+        run("CREATE ROLE att_parent_owner; CREATE ROLE att_part_owner;
+             GRANT USAGE ON SCHEMA dedup TO att_parent_owner; GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA dedup TO att_parent_owner;
+             GRANT SELECT ON dedup.inbox_registry TO att_parent_owner;
+             GRANT SELECT, INSERT, UPDATE ON dedup.inbox_default TO att_parent_owner;
+             CREATE TABLE att_pp (event_id text, day int) PARTITION BY RANGE (day);
+             CREATE TABLE att_pp_1 PARTITION OF att_pp FOR VALUES FROM (1) TO (2);
+             ALTER TABLE att_pp OWNER TO att_parent_owner; ALTER TABLE att_pp_1 OWNER TO att_part_owner");
+        run("SET LOCAL ROLE att_parent_owner");
+        assert_dedup_error("SELECT dedup.attach('att_pp', 'event_id')", PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE);
+        run("RESET ROLE; GRANT TRIGGER ON att_pp_1 TO att_parent_owner; SET LOCAL ROLE att_parent_owner");
+        run("SELECT dedup.attach('att_pp', 'event_id')");
+        run("RESET ROLE");
+    }
+
+    // pg_backend_memory_contexts is there from PostgreSQL 14 on.
+    #[cfg(not(feature = "pg13"))]
+    #[pg_test]
+    fn attach_a_key_that_does_not_compile_leaves_no_memory_behind() {
+        events("att_leak");
+        run("SELECT dedup.attach('att_leak', 'event_id'); ALTER TABLE att_leak RENAME COLUMN event_id TO ev");
+        let contexts = || count("pg_backend_memory_contexts WHERE name = 'dedup attachment key'");
+        let before = contexts();
+        for _ in 0..20 {
+            assert_dedup_error("INSERT INTO att_leak (ev) VALUES ('x')", PgSqlErrorCode::ERRCODE_UNDEFINED_COLUMN);
+        }
+        assert_eq!(contexts(), before, "each failed compilation freed its memory");
+    }
+
+    #[pg_test]
+    fn attach_does_not_replace_someone_elses_trigger_of_the_same_name() {
+        events("att_named");
+        run("CREATE FUNCTION att_named_fn() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN RETURN NEW; END $$;
+             CREATE TRIGGER zz_dedup_attached BEFORE INSERT ON att_named FOR EACH ROW EXECUTE FUNCTION att_named_fn()");
+        assert_dedup_error("SELECT dedup.attach('att_named', 'event_id')", PgSqlErrorCode::ERRCODE_DUPLICATE_OBJECT);
+        assert_eq!(count("pg_trigger WHERE tgrelid = 'att_named'::regclass AND tgfoid = 'att_named_fn'::regproc"), 1);
     }
 }

@@ -76,31 +76,44 @@ pub fn first_of(tables: &[pg_sys::Oid]) -> Option<Attachment> {
         .map(|(_, row)| row)
 }
 
-/// Does table `relid` exist and carry the attachment trigger itself (not a partition's clone of its parent's)?
-fn has_trigger(relid: pg_sys::Oid) -> bool {
+/// The trigger named `TRIGGER` on table `relid` itself (not a partition's clone of its parent's), if the table exists
+/// and has one: whether it runs `dedup.attached_insert()`.
+fn named_trigger(relid: pg_sys::Oid) -> Option<bool> {
     // SAFETY: the relcache entry is opened without a lock (a table being dropped by another transaction still
     // counts as there) and closed here; its trigger descriptor is only read.
     unsafe {
         let rel = pg_sys::RelationIdGetRelation(relid);
         if rel.is_null() {
-            return false;
+            return None;
         }
         let triggers = (*rel).trigdesc;
-        let found = !triggers.is_null()
-            && std::slice::from_raw_parts((*triggers).triggers, (*triggers).numtriggers as usize).iter().any(|t| {
+        let found = (!triggers.is_null())
+            .then(|| std::slice::from_raw_parts((*triggers).triggers, (*triggers).numtriggers as usize))
+            .into_iter()
+            .flatten()
+            .find(|t| std::ffi::CStr::from_ptr(t.tgname).to_bytes() == TRIGGER.as_bytes() && !t.tgisclone)
+            .map(|t| {
                 let function = pg_sys::get_func_name(t.tgfoid);
-                std::ffi::CStr::from_ptr(t.tgname).to_bytes() == TRIGGER.as_bytes()
-                    && !t.tgisclone
-                    && !function.is_null()
-                    && std::ffi::CStr::from_ptr(function).to_bytes() == b"attached_insert"
+                !function.is_null() && std::ffi::CStr::from_ptr(function).to_bytes() == b"attached_insert"
             });
         pg_sys::RelationClose(rel);
         found
     }
 }
 
+/// Does table `relid` exist and carry the attachment trigger itself?
+fn has_trigger(relid: pg_sys::Oid) -> bool {
+    named_trigger(relid) == Some(true)
+}
+
+/// Has table `relid` a trigger of someone else's named `TRIGGER` (attach() must not replace it)?
+pub fn foreign_trigger(relid: pg_sys::Oid) -> bool {
+    named_trigger(relid) == Some(false)
+}
+
 /// Removes the stale attachments (see the module comment) and returns their tables. A row another transaction
-/// removes or replaces meanwhile is left to it.
+/// holds (removes, replaces, or prunes, and has not committed yet) is left to it, without waiting: a DROP must never
+/// wait for someone else's open transaction because of pg_dedup.
 pub fn prune() -> Vec<pg_sys::Oid> {
     let stale: Vec<_> = scan(pg_sys::RowExclusiveLock).into_iter().filter(|(_, row)| !has_trigger(row.tbl)).collect();
     if stale.is_empty() {
@@ -108,8 +121,7 @@ pub fn prune() -> Vec<pg_sys::Oid> {
     }
     let relid = catalog::dedup_relation(c"attachment_registry");
     // SAFETY: the registry is open and locked (RowExclusiveLock, taken by the scan above) for the rest of the
-    // transaction; each delete goes through the table access method, which waits for a transaction changing the same
-    // row and reports what it did.
+    // transaction; each delete goes through the table access method, told not to wait, which reports what it did.
     unsafe {
         let rel = pg_sys::table_open(relid, pg_sys::NoLock as pg_sys::LOCKMODE);
         let delete = (*(*rel).rd_tableam).tuple_delete.expect("every table access method deletes");
@@ -118,7 +130,9 @@ pub fn prune() -> Vec<pg_sys::Oid> {
             let mut failure = pg_sys::TM_FailureData::default();
             let cid = pg_sys::GetCurrentCommandId(true);
             let snapshot = pg_sys::GetLatestSnapshot();
-            let result = delete(rel, &mut tid, cid, snapshot, std::ptr::null_mut(), true, &mut failure, false);
+            let result = pg_sys::ffi::pg_guard_ffi_boundary(|| {
+                delete(rel, &mut tid, cid, snapshot, std::ptr::null_mut(), false, &mut failure, false)
+            });
             if result == pg_sys::TM_Result::TM_Ok {
                 pruned.push(row.tbl);
             }

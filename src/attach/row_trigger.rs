@@ -7,9 +7,9 @@ use super::key::Key;
 use super::{qualified_name, OnDuplicate, TRIGGER};
 use crate::errors::{internal, raise};
 use crate::inbox::{self, Access};
-use crate::mark;
 use crate::relcache::{self, Stale};
 use crate::shmem::Counter;
+use crate::{input, mark};
 use pgrx::prelude::*;
 use std::cell::Cell;
 use std::rc::Rc;
@@ -76,10 +76,10 @@ unsafe fn load(rel: pg_sys::Relation) -> Attached {
     let on_duplicate = if on_duplicate == "error" { OnDuplicate::Error } else { OnDuplicate::Skip };
     // SAFETY: the relation is open; the key lives in memory of its own under the cache's long-lived context.
     let key = unsafe {
-        Key::compile(rel, &key, pg_sys::CacheMemoryContext, || {
+        Key::compile(rel, &key, &table, pg_sys::CacheMemoryContext, || {
             format!(
-                "{table} changed since it was attached (a column renamed or dropped?): attach it again with \
-                 dedup.attach('{table}', <key>), or detach it."
+                "{table} changed since it was attached (a column renamed, or a function of the key renamed or moved?): \
+                 attach it again with dedup.attach('{table}', <key>), or detach it."
             )
         })
     };
@@ -115,28 +115,103 @@ unsafe fn attached(rel: pg_sys::Relation) -> Rc<Attached> {
     attached
 }
 
-/// The attachment trigger: marks the new row's key in the attachment's inbox, with the inserting role's rights, and
-/// lets the row through if the key is new; drops it (`'skip'`) or raises an error (`'error'`) if it is a duplicate.
+/// A row leaving a partition of an attached table: PostgreSQL runs an UPDATE that moves a row to another partition as
+/// a DELETE from the old one and an INSERT into the new one (logical replication's apply too), and the INSERT must not
+/// take the row's own key for a duplicate of itself (nor drop a row that exists, whatever the inbox of the partition
+/// it moves to). Its keys (after the UPDATE, and before it), noted by the row's BEFORE UPDATE and BEFORE DELETE, are
+/// let through by the very next BEFORE INSERT into a partition in the same statement, which fires right after them.
+struct Moving {
+    /// The transaction's and the statement's start: a later statement never matches.
+    statement: (i64, i64),
+    keys: Vec<String>,
+    /// Its BEFORE DELETE has fired: it did leave its partition.
+    deleted: bool,
+}
+
+thread_local! {
+    static MOVING: std::cell::RefCell<Option<Moving>> = const { std::cell::RefCell::new(None) };
+}
+
+fn statement() -> (i64, i64) {
+    // SAFETY: reads the backend's transaction and statement start times.
+    unsafe { (pg_sys::GetCurrentTransactionStartTimestamp(), pg_sys::GetCurrentStatementStartTimestamp()) }
+}
+
+/// The BEFORE UPDATE or BEFORE DELETE of a row of a partition: what `Moving` needs. Never raises for a key it
+/// cannot compute (an UPDATE is not deduplicated): such a row is simply not noted.
+///
+/// # Safety
+/// `slot` must hold the row (the new one for an UPDATE, the old one for a DELETE) of `attached`'s table.
+unsafe fn note_leaving(attached: &Attached, slot: *mut pg_sys::TupleTableSlot, deleting: bool) {
+    // SAFETY: the caller vouches for the slot.
+    let key = unsafe { attached.key.eval(slot, &attached.table, |key| key.map(str::to_owned)) };
+    MOVING.with(|moving| {
+        let mut moving = moving.borrow_mut();
+        let same = moving.as_ref().is_some_and(|m| m.statement == statement() && !m.deleted);
+        match (deleting, same) {
+            // The DELETE half of a moving UPDATE: add the key before the UPDATE.
+            (true, true) => {
+                let m = moving.as_mut().expect("checked");
+                m.keys.extend(key);
+                m.deleted = true;
+            }
+            _ => *moving = Some(Moving { statement: statement(), keys: key.into_iter().collect(), deleted: deleting }),
+        }
+    });
+}
+
+/// Is the row being inserted into a partition with `key` a row moving between partitions (see `Moving`)? Either way
+/// the note is used up.
+fn moving_in(key: &str) -> bool {
+    MOVING.with(|moving| {
+        moving
+            .borrow_mut()
+            .take()
+            .is_some_and(|m| m.deleted && m.statement == statement() && m.keys.iter().any(|k| k == key))
+    })
+}
+
+/// The attachment trigger, BEFORE INSERT OR UPDATE OR DELETE, for each row. For an insert it marks the row's key in
+/// the attachment's inbox, with the inserting role's rights, and lets the row through if the key is new; drops it
+/// (`'skip'`) or raises an error (`'error'`) if it is a duplicate. Updates and deletes are not deduplicated: on a
+/// partition they are noted so that a row moving to another partition is not taken for a duplicate of itself.
 #[pg_trigger]
 fn attached_insert<'a>(
     trigger: &'a pgrx::PgTrigger<'a>,
 ) -> Result<Option<PgHeapTuple<'a, AllocatedByPostgres>>, pgrx::heap_tuple::PgHeapTupleError> {
     let data = trigger.trigger_data();
     let event = data.tg_event;
-    let row_before_insert = event & pg_sys::TRIGGER_EVENT_OPMASK == pg_sys::TRIGGER_EVENT_INSERT
-        && event & pg_sys::TRIGGER_EVENT_ROW != 0
+    let row_before = event & pg_sys::TRIGGER_EVENT_ROW != 0
         && event & pg_sys::TRIGGER_EVENT_TIMINGMASK == pg_sys::TRIGGER_EVENT_BEFORE;
-    if !row_before_insert {
+    let operation = event & pg_sys::TRIGGER_EVENT_OPMASK;
+    if !row_before || operation == pg_sys::TRIGGER_EVENT_TRUNCATE {
         raise(
             PgSqlErrorCode::ERRCODE_E_R_I_E_TRIGGER_PROTOCOL_VIOLATED,
-            "dedup.attached_insert() must fire BEFORE INSERT, FOR EACH ROW",
+            "dedup.attached_insert() must fire BEFORE INSERT OR UPDATE OR DELETE, FOR EACH ROW",
             "Use dedup.attach() to set it up; it creates the trigger as it must be.",
         )
+    }
+    // SAFETY: a BEFORE row trigger's relation is open.
+    let partition = unsafe { (*(*data.tg_relation).rd_rel).relispartition };
+    if operation != pg_sys::TRIGGER_EVENT_INSERT {
+        if partition {
+            let deleting = operation == pg_sys::TRIGGER_EVENT_DELETE;
+            // SAFETY: as above; the trigger's slot holds the old row, the new slot the updated one.
+            unsafe {
+                let attached = attached(data.tg_relation);
+                note_leaving(&attached, if deleting { data.tg_trigslot } else { data.tg_newslot }, deleting);
+            }
+        }
+        return Ok(if operation == pg_sys::TRIGGER_EVENT_DELETE { trigger.old() } else { trigger.new() });
     }
     // SAFETY: a BEFORE INSERT row trigger's relation is open and its slot holds the new row.
     let new = unsafe {
         let attached = attached(data.tg_relation);
         attached.key.eval(data.tg_trigslot, &attached.table, |key| {
+            let key = input::key_of_row(key, &attached.table);
+            if partition && moving_in(key) {
+                return true;
+            }
             let inbox = inbox::open(&attached.inbox, Access::Mark);
             let new = mark::mark_ids(&inbox, &[key], attached.ttl)[0];
             inbox.count(if new { Counter::RowsPassed } else { Counter::RowsDropped }, 1);

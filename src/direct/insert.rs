@@ -142,7 +142,9 @@ unsafe fn write_rows(rel: pg_sys::Relation, ns: u64, ids: &[String], values: &Va
             }
             let multi_insert = (*(*rel).rd_tableam).multi_insert.expect("every table access method can multi-insert");
             let cid = pg_sys::GetCurrentCommandId(true);
-            multi_insert(rel, slots.as_ptr() as *mut _, slots.len() as i32, cid, 0, std::ptr::null_mut());
+            pg_sys::ffi::pg_guard_ffi_boundary(|| {
+                multi_insert(rel, slots.as_ptr() as *mut _, slots.len() as i32, cid, 0, std::ptr::null_mut())
+            });
             for &slot in &slots {
                 ports::ExecInsertIndexTuples(result_rel, slot, estate, None, ports::Entries::Inserted);
                 pg_sys::ExecDropSingleTupleTableSlot(slot);

@@ -98,7 +98,8 @@ unsafe fn read(slot: *mut pg_sys::TupleTableSlot) -> Found {
         };
         let mut null = false;
         let getsysattr = (*(*slot).tts_ops).getsysattr.expect("a heap slot has system columns");
-        let xmin = getsysattr(slot, pg_sys::MinTransactionIdAttributeNumber, &mut null);
+        let xmin =
+            pg_sys::ffi::pg_guard_ffi_boundary(|| getsysattr(slot, pg_sys::MinTransactionIdAttributeNumber, &mut null));
         Found {
             tid: Some((*slot).tts_tid),
             expires_at: column(2).and_then(|d| TimestampWithTimeZone::from_datum(d, false)).expect("NOT NULL"),

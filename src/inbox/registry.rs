@@ -208,10 +208,16 @@ pub fn drop(name: &str, dependents: &Dependents) {
                     "Ask the extension's owner or a superuser to drop it.",
                 )
             }
+            if relid != pg_sys::InvalidOid {
+                require_administrator(client, caller, relid, name, "drop");
+                // Before the dependents look: an attach() of this inbox that holds the table commits first, and
+                // its attachment is then seen (and refuses the drop).
+                // SAFETY: locks a relation by oid until the transaction ends.
+                unsafe { pg_sys::LockRelationOid(relid, pg_sys::AccessExclusiveLock as pg_sys::LOCKMODE) };
+            }
             (dependents.check)(name);
             if relid != pg_sys::InvalidOid {
                 let table = qualified(name);
-                require_administrator(client, caller, relid, name, "drop");
                 if crate::citus::distributed(relid) {
                     crate::citus::unregister_on_workers(client, name);
                 }
