@@ -83,14 +83,34 @@ pub fn local(tables: Vec<pg_sys::Oid>) -> Vec<pg_sys::Oid> {
     tables.into_iter().filter(|relid| !crate::citus::distributed(*relid)).collect()
 }
 
-/// The schema-qualified, quoted name of table `relid` of schema dedup (None if it is gone).
-pub fn table_name_of(relid: pg_sys::Oid) -> Option<String> {
-    // SAFETY: returns a palloc'd copy of the name, or NULL for a relation that is gone.
-    let name = unsafe { pg_sys::get_rel_name(relid) };
-    // SAFETY: a NUL-terminated name, checked for NULL first.
-    (!name.is_null())
-        .then(|| unsafe { std::ffi::CStr::from_ptr(name) }.to_string_lossy().into_owned())
-        .map(|name| pgrx::spi::quote_qualified_identifier("dedup", &name))
+/// The schema-qualified, quoted name of relation `relid` (None if it is gone).
+pub fn qualified_name(relid: pg_sys::Oid) -> Option<String> {
+    // SAFETY: catalog lookups by oid; each returns a palloc'd copy or NULL when the relation is gone.
+    unsafe {
+        let name = pg_sys::get_rel_name(relid);
+        let schema = pg_sys::get_namespace_name(pg_sys::get_rel_namespace(relid));
+        (!name.is_null() && !schema.is_null()).then(|| {
+            pgrx::spi::quote_qualified_identifier(
+                std::ffi::CStr::from_ptr(schema).to_string_lossy(),
+                std::ffi::CStr::from_ptr(name).to_string_lossy(),
+            )
+        })
+    }
+}
+
+/// Does relation `relid` exist (as the catalog snapshot sees it; the caller holds a lock on it, or accepts that it
+/// may go right after)?
+pub fn relation_exists(relid: pg_sys::Oid) -> bool {
+    // SAFETY: a syscache lookup by oid.
+    unsafe {
+        pg_sys::SearchSysCacheExists(
+            pg_sys::SysCacheIdentifier::RELOID as i32,
+            relid.into_datum().expect("an oid is a datum"),
+            pg_sys::Datum::from(0),
+            pg_sys::Datum::from(0),
+            pg_sys::Datum::from(0),
+        )
+    }
 }
 
 #[cfg(any(test, feature = "pg_test"))]

@@ -39,9 +39,7 @@ fn wrote(inbox: &Inbox, stmt: Stmt, args: &[pgrx::datum::DatumWithOid<'_>]) -> b
 
 /// Runs `stmt` without waiting for a row or key another transaction holds: None if it would have had to wait.
 fn wrote_at_once(inbox: &Inbox, stmt: Stmt, args: &[pgrx::datum::DatumWithOid<'_>]) -> Option<bool> {
-    xact::undo_on(PgSqlErrorCode::ERRCODE_LOCK_NOT_AVAILABLE, || {
-        inbox.with_lock_timeout(c"1ms", || wrote(inbox, stmt, args))
-    })
+    xact::unless_it_waits(|| inbox.with_lock_timeout(c"1ms", || wrote(inbox, stmt, args)))
 }
 
 /// The first characters of a fingerprint, for an error's DETAIL.

@@ -50,11 +50,7 @@ pub fn purge_batch(inbox: &Inbox, now: TimestampWithTimeZone, limit: i64, held: 
 /// the backend's subtransaction cache is half full (a purge of many batches), only the latter: each batch's
 /// subtransaction would otherwise stay in it, and past 64 the cache overflows.
 fn purge_batch_in_place(inbox: &Inbox, now: TimestampWithTimeZone, limit: i64) -> i64 {
-    let quick = || {
-        xact::undo_on(PgSqlErrorCode::ERRCODE_LOCK_NOT_AVAILABLE, || {
-            purge_batch(inbox, now, limit, HeldRows::WaitBriefly)
-        })
-    };
+    let quick = || xact::unless_it_waits(|| purge_batch(inbox, now, limit, HeldRows::WaitBriefly));
     xact::has_room().then(quick).flatten().unwrap_or_else(|| purge_batch(inbox, now, limit, HeldRows::Skip))
 }
 

@@ -66,17 +66,9 @@ pub fn run(rotate: bool) -> Option<Rebuilt> {
 fn load_inbox(guard: &RebuildGuard, target: usize, relid: pg_sys::Oid) -> Result<i64, Skipped> {
     // RowExclusiveLock, taken only if free right now: while the table is read no one can change its trigger (that
     // takes ShareRowExclusiveLock), and writers are not held up. The lock lasts until the transaction ends.
-    // SAFETY: a conditional lock by oid, then a check that the table still exists under it.
-    let locked = unsafe {
-        pg_sys::ConditionalLockRelationOid(relid, pg_sys::RowExclusiveLock as pg_sys::LOCKMODE)
-            && pg_sys::SearchSysCacheExists(
-                pg_sys::SysCacheIdentifier::RELOID as i32,
-                relid.into_datum().expect("an oid is a datum"),
-                pg_sys::Datum::from(0),
-                pg_sys::Datum::from(0),
-                pg_sys::Datum::from(0),
-            )
-    };
+    // SAFETY: a conditional lock by oid; then a check that the table still exists under it.
+    let locked = unsafe { pg_sys::ConditionalLockRelationOid(relid, pg_sys::RowExclusiveLock as pg_sys::LOCKMODE) }
+        && catalog::relation_exists(relid);
     if !locked {
         return Err(Skipped::Busy);
     }
@@ -176,7 +168,7 @@ fn bloom_rebuild() -> i64 {
     match run(true) {
         Some(done) => {
             for (relid, why) in &done.skipped {
-                let table = catalog::table_name_of(*relid).unwrap_or_default();
+                let table = catalog::qualified_name(*relid).unwrap_or_default();
                 let why = match why {
                     Skipped::Busy => "it is locked by another transaction".to_owned(),
                     Skipped::Unguarded(state) => format!("its {} trigger is {}", trigger::NAME, state.label()),
@@ -274,7 +266,7 @@ fn repair_trigger(relid: pg_sys::Oid) {
     if state == State::Guarding {
         return;
     }
-    let Some(table) = catalog::table_name_of(relid) else { return };
+    let Some(table) = catalog::qualified_name(relid) else { return };
     if trigger::repair(&table, state) {
         server_log!(
             "pg_dedup worker: repaired the {} trigger of {table} (it was {}); reloading it",
@@ -291,7 +283,7 @@ fn report(done: &Rebuilt) {
         if TOLD.with(|told| told.borrow_mut().insert(relid, why)) == Some(why) {
             continue;
         }
-        let table = catalog::table_name_of(relid).unwrap_or_else(|| format!("relation {}", relid.to_u32()));
+        let table = catalog::qualified_name(relid).unwrap_or_else(|| format!("relation {}", relid.to_u32()));
         match why {
             Skipped::Busy => server_log!(
                 "pg_dedup worker: {table} is locked by another transaction; the Bloom filter does not answer for it \

@@ -41,10 +41,7 @@ pub fn as_table_owner<R>(relid: pg_sys::Oid, f: impl FnOnce() -> R) -> R {
 
 /// The extension's owner: the role that ran CREATE EXTENSION, owner of schema dedup and of the registry.
 pub fn extension_owner() -> pg_sys::Oid {
-    let registry = c"inbox_registry";
-    // SAFETY: looks up a relation of schema dedup by name; InvalidOid when missing (a damaged installation).
-    let relid =
-        unsafe { pg_sys::get_relname_relid(registry.as_ptr(), pg_sys::get_namespace_oid(c"dedup".as_ptr(), false)) };
+    let relid = catalog::dedup_relation(c"inbox_registry");
     catalog::class(relid).map(|c| c.owner).unwrap_or_else(|| internal("finding the extension's owner", "no registry"))
 }
 

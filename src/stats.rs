@@ -71,6 +71,61 @@ fn inbox_figures() -> TableIterator<
     )
 }
 
+/// A row of 0.3.0's `inbox_counters()`, the first ten columns of which are a row of 0.1.0's `inbox_stats()`.
+type LegacyRow = (
+    String,
+    Option<i64>,
+    Option<i64>,
+    Option<i64>,
+    Option<i64>,
+    Option<i64>,
+    Option<i64>,
+    Option<i64>,
+    Option<i64>,
+    bool,
+    String,
+    Option<i64>,
+    Option<i64>,
+    Option<i64>,
+    Option<i64>,
+    Option<i64>,
+    Option<i64>,
+    Option<i64>,
+    Option<i64>,
+    Option<i64>,
+);
+
+fn legacy_rows() -> Vec<LegacyRow> {
+    use Counter::*;
+    all_figures()
+        .into_iter()
+        .map(|f| {
+            (
+                f.name.clone(),
+                f.get(Marks),
+                f.get(Duplicates),
+                f.get(Renewals),
+                f.get(Purged),
+                f.backlog,
+                f.get(Lookups),
+                f.get(CertainlyNew),
+                f.get(FalsePositives),
+                f.trusted,
+                f.trigger.clone(),
+                f.get(ClaimsNew),
+                f.get(ClaimsCompleted),
+                f.get(ClaimsInProgress),
+                f.get(FingerprintMismatches),
+                f.get(LeaseTakeovers),
+                f.get(Advances),
+                f.get(StaleAdvances),
+                f.get(RowsPassed),
+                f.get(RowsDropped),
+            )
+        })
+        .collect()
+}
+
 /// `dedup.inbox_counters()` of pg_dedup 0.3.0, which its install script names and whose row `dedup.stats` read there
 /// (not part of 0.4.0's schema): a database whose extension is not updated yet reads its stats through it. Frozen:
 /// new counters go into `inbox_figures()` only.
@@ -101,31 +156,7 @@ fn inbox_counters() -> TableIterator<
         name!(rows_dropped, Option<i64>),
     ),
 > {
-    use Counter::*;
-    TableIterator::new(all_figures().into_iter().map(|f| {
-        (
-            f.name.clone(),
-            f.get(Marks),
-            f.get(Duplicates),
-            f.get(Renewals),
-            f.get(Purged),
-            f.backlog,
-            f.get(Lookups),
-            f.get(CertainlyNew),
-            f.get(FalsePositives),
-            f.trusted,
-            f.trigger.clone(),
-            f.get(ClaimsNew),
-            f.get(ClaimsCompleted),
-            f.get(ClaimsInProgress),
-            f.get(FingerprintMismatches),
-            f.get(LeaseTakeovers),
-            f.get(Advances),
-            f.get(StaleAdvances),
-            f.get(RowsPassed),
-            f.get(RowsDropped),
-        )
-    }))
+    TableIterator::new(legacy_rows())
 }
 
 /// `dedup.inbox_stats()` of pg_dedup 0.1.0 and 0.2.0 (not part of 0.3.0's schema or later): their install scripts
@@ -148,21 +179,7 @@ fn inbox_stats() -> TableIterator<
         name!(filter_trusted, bool),
     ),
 > {
-    use Counter::*;
-    TableIterator::new(all_figures().into_iter().map(|f| {
-        (
-            f.name.clone(),
-            f.get(Marks),
-            f.get(Duplicates),
-            f.get(Renewals),
-            f.get(Purged),
-            f.backlog,
-            f.get(Lookups),
-            f.get(CertainlyNew),
-            f.get(FalsePositives),
-            f.trusted,
-        )
-    }))
+    TableIterator::new(legacy_rows().into_iter().map(|r| (r.0, r.1, r.2, r.3, r.4, r.5, r.6, r.7, r.8, r.9)))
 }
 
 // The result columns are spelt out in the signature: that is how pgrx names them.

@@ -144,7 +144,7 @@ pub fn repair(table: &str, state: State) -> bool {
         }
         State::Missing | State::Before => format!("DROP TRIGGER IF EXISTS {NAME} ON {table}; {}", create_sql(table)),
     };
-    crate::xact::undo_on(PgSqlErrorCode::ERRCODE_LOCK_NOT_AVAILABLE, || {
+    crate::xact::unless_it_waits(|| {
         crate::guc::with_setting(c"lock_timeout", c"100ms", || {
             Spi::run(&sql).unwrap_or_else(|e| internal("repairing the filter trigger", e))
         })
@@ -184,7 +184,7 @@ fn watch_ddl(_fcinfo: pg_sys::FunctionCallInfo) {
     for relid in catalog::tables() {
         let state = State::of_table(relid);
         if state != State::Guarding && filter::untrust(namespace(relid)) {
-            let table = catalog::table_name_of(relid).unwrap_or_default();
+            let table = catalog::qualified_name(relid).unwrap_or_default();
             server_log!(
                 "pg_dedup: the Bloom filter stops answering for {table} until its {NAME} trigger is repaired (it is {})",
                 state.label()

@@ -62,21 +62,6 @@ impl OnDuplicate {
     }
 }
 
-/// The schema-qualified, quoted name of relation `relid` (None if it is gone).
-fn qualified_name(relid: pg_sys::Oid) -> Option<String> {
-    // SAFETY: catalog lookups by oid; each returns a palloc'd copy or NULL when the relation is gone.
-    unsafe {
-        let name = pg_sys::get_rel_name(relid);
-        let schema = pg_sys::get_namespace_name(pg_sys::get_rel_namespace(relid));
-        (!name.is_null() && !schema.is_null()).then(|| {
-            pgrx::spi::quote_qualified_identifier(
-                std::ffi::CStr::from_ptr(schema).to_string_lossy(),
-                std::ffi::CStr::from_ptr(name).to_string_lossy(),
-            )
-        })
-    }
-}
-
 /// Why `attach()` or `detach()` opens a table: a temporary table may be detached (an attachment pg_dedup 0.3.0
 /// let through), never attached.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -108,7 +93,7 @@ fn check_table(purpose: Purpose, relid: pg_sys::Oid) -> String {
             "dedup.attachments lists the attached tables.",
         )
     };
-    let name = qualified_name(relid).unwrap_or_else(|| internal("naming the table", "it has no name"));
+    let name = catalog::qualified_name(relid).unwrap_or_else(|| internal("naming the table", "it has no name"));
     if class.kind != pg_sys::RELKIND_RELATION && class.kind != pg_sys::RELKIND_PARTITIONED_TABLE {
         let what = match class.kind {
             pg_sys::RELKIND_VIEW => "a view",
@@ -380,7 +365,7 @@ pub fn refuse_to_drop_inbox(name: &str) {
     let mut tables: Vec<String> = registry::all()
         .into_iter()
         .filter(|a| a.inbox == name)
-        .map(|a| qualified_name(a.tbl).unwrap_or_else(|| a.tbl.to_u32().to_string()))
+        .map(|a| catalog::qualified_name(a.tbl).unwrap_or_else(|| a.tbl.to_u32().to_string()))
         .collect();
     if !tables.is_empty() {
         tables.sort();

@@ -4,7 +4,7 @@
 //! columns) make an entry stale (`relcache`); it is rebuilt at the next row.
 
 use super::key::Key;
-use super::{qualified_name, OnDuplicate, TRIGGER};
+use super::{OnDuplicate, TRIGGER};
 use crate::errors::{internal, raise};
 use crate::inbox::{self, Access};
 use crate::relcache::{self, Stale};
@@ -54,7 +54,8 @@ unsafe extern "C-unwind" fn on_function_change(_arg: pg_sys::Datum, _cache: i32,
 unsafe fn load(rel: pg_sys::Relation) -> Attached {
     // SAFETY: the caller vouches for the relation.
     let relid = unsafe { (*rel).rd_id };
-    let table = qualified_name(relid).unwrap_or_else(|| internal("naming an attached table", "it has no name"));
+    let table =
+        crate::catalog::qualified_name(relid).unwrap_or_else(|| internal("naming an attached table", "it has no name"));
     // The table itself, then (a partition) its ancestors, nearest first: pg_partition_ancestors() lists a
     // partition itself and its ancestors, and nothing for a table that is no partition. It needs no privilege.
     let mut tables = vec![relid];

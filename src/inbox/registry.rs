@@ -14,28 +14,16 @@ pub(super) fn qualified(name: &str) -> String {
     pgrx::spi::quote_qualified_identifier(SCHEMA, &table_name(name))
 }
 
-fn schema_oid() -> pg_sys::Oid {
-    let schema = std::ffi::CString::new(SCHEMA).expect("no NUL in schema name");
-    // SAFETY: a NUL-terminated name; missing_ok = false raises a clean ERROR if the schema is gone.
-    unsafe { pg_sys::get_namespace_oid(schema.as_ptr(), false) }
-}
-
 fn relation_oid(name: &str) -> pg_sys::Oid {
-    dedup_relation_oid(&table_name(name))
-}
-
-/// A relation of schema dedup by name (InvalidOid if there is none).
-fn dedup_relation_oid(relname: &str) -> pg_sys::Oid {
-    let rel = std::ffi::CString::new(relname).expect("validated names have no NUL");
-    // SAFETY: a NUL-terminated name and a schema oid; returns InvalidOid when there is no such relation.
-    unsafe { pg_sys::get_relname_relid(rel.as_ptr(), schema_oid()) }
+    let relname = std::ffi::CString::new(table_name(name)).expect("validated names have no NUL");
+    crate::catalog::dedup_relation(&relname)
 }
 
 /// Finding an inbox (once per inbox and session) or listing them reads the registry: a caller who may not read it
 /// gets a dedup error saying which grant is missing, instead of a raw permission error from inside SPI. (Column privileges on
 /// the registry do not count: grant SELECT on the table.)
 fn check_registry_readable() {
-    let relid = dedup_relation_oid("inbox_registry");
+    let relid = crate::catalog::dedup_relation(c"inbox_registry");
     // SAFETY: an ACL check of an existing relation (the registry belongs to the extension) for the current user.
     let readable =
         unsafe { pg_sys::pg_class_aclcheck(relid, pg_sys::GetUserId(), pg_sys::ACL_SELECT as pg_sys::AclMode) };
