@@ -1,4 +1,4 @@
-//! Idempotency keys (issue 14): claim() / complete() / release() across transactions and sessions — states,
+//! Idempotency keys: claim() / complete() / release() across transactions and sessions — states,
 //! transitions, blocking and non-blocking claims, leases and their take-over, fingerprint mismatches, killed
 //! holders, result sizes, and what a replay costs. The same tests run on a preloaded server in
 //! `idempotency_filtered` (the filter answers, new keys go in directly).

@@ -1,4 +1,4 @@
-//! Issue 15: rows deduplicated where they arrive (`attach()`: INSERT, COPY, logical replication) and per-key
+//! Rows deduplicated where they arrive (`attach()`: INSERT, COPY, logical replication) and per-key
 //! positions (`advance()`), against real servers: COPY of data with repeats, eight sessions loading overlapping keys
 //! at once, a load killed mid-COPY, a logical-replication subscriber that is sent the same rows twice, pg_dump and
 //! restore, and streams of positions raced by eight sessions.

@@ -102,7 +102,7 @@ fn every_earlier_release_upgrades_keeping_its_marks_and_ends_up_like_a_fresh_ins
 
 /// 0.2.0's docs had inbox administrators granted CREATE on schema dedup, INSERT and DELETE on the registry and
 /// EXECUTE on the trigger function, and their inboxes were tables they owned: the update takes all of that back
-/// (issue 12), keeps their inboxes working, and says what it could not hand over or remove.
+/// keeps their inboxes working, and says what it could not hand over or remove.
 #[test]
 fn an_update_from_0_2_0_takes_back_what_its_docs_granted() {
     let (mut c, warnings) = {
@@ -200,7 +200,7 @@ fn an_update_from_0_2_0_takes_back_what_its_docs_granted() {
 }
 
 /// An attachment made by 0.3.0 (its trigger without the WHEN clause that names the key) is made again by the update,
-/// so PostgreSQL records what its key uses; one whose table went without pg_dedup seeing it is removed (issue 20).
+/// so PostgreSQL records what its key uses; one whose table went without pg_dedup seeing it is removed.
 #[test]
 fn an_update_from_0_3_0_records_what_attached_keys_depend_on() {
     let mut c = database_at("upgrade_attach", "0.3.0");
