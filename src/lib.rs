@@ -101,13 +101,15 @@ pub extern "C-unwind" fn _PG_init() {
 use pgrx::pg_guard;
 
 /// `cargo pgrx test`: the server the `#[pg_test]`s run in preloads pg_dedup, so the shared filter, its counters and
-/// the launcher are there; no worker serves the test database (`dedup.database` names another), so nothing loads
-/// or purges behind a test's back. `track_functions` lets tests see whether the filter trigger ran.
+/// the launcher are there; but no worker runs at all (`dedup.database` names a database that does not exist): the
+/// right to rebuild the filter is server-wide, and a worker of another database loading or rotating it would make
+/// any test that rebuilds, or that trusts a new inbox at once, depend on who wins the race. Nothing loads or purges
+/// behind a test's back. `track_functions` lets tests see whether the filter trigger ran.
 #[cfg(test)]
 pub mod pg_test {
     pub fn setup(_options: Vec<&str>) {}
 
     pub fn postgresql_conf_options() -> Vec<&'static str> {
-        vec!["shared_preload_libraries = 'pg_dedup'", "dedup.database = 'postgres'", "track_functions = 'all'"]
+        vec!["shared_preload_libraries = 'pg_dedup'", "dedup.database = 'no_worker_here'", "track_functions = 'all'"]
     }
 }
