@@ -299,12 +299,19 @@ pub unsafe fn record_dependencies(relid: pg_sys::Oid, key: &Canonical, table: &s
         pg_sys::CommandCounterIncrement();
         trigger
     };
+    // Through what the key uses in turn (a function whose body, BEGIN ATOMIC, depends on a temporary one).
     let temporary: Option<String> = Spi::get_one_with_args(
-        "SELECT pg_catalog.string_agg(pg_catalog.pg_describe_object(d.refclassid, d.refobjid, d.refobjsubid), ', ')
-           FROM pg_catalog.pg_depend d
-          WHERE d.classid OPERATOR(pg_catalog.=) 'pg_catalog.pg_trigger'::pg_catalog.regclass
-            AND d.objid OPERATOR(pg_catalog.=) $1
-            AND (pg_catalog.pg_identify_object(d.refclassid, d.refobjid, 0)).schema OPERATOR(pg_catalog.~) '^pg_temp'",
+        "WITH RECURSIVE uses(classid, objid, objsubid, depth) AS (
+             SELECT d.refclassid, d.refobjid, d.refobjsubid, 1 FROM pg_catalog.pg_depend d
+              WHERE d.classid OPERATOR(pg_catalog.=) 'pg_catalog.pg_trigger'::pg_catalog.regclass
+                AND d.objid OPERATOR(pg_catalog.=) $1
+             UNION
+             SELECT d.refclassid, d.refobjid, d.refobjsubid, u.depth OPERATOR(pg_catalog.+) 1
+               FROM uses u JOIN pg_catalog.pg_depend d
+                 ON d.classid OPERATOR(pg_catalog.=) u.classid AND d.objid OPERATOR(pg_catalog.=) u.objid
+              WHERE u.depth OPERATOR(pg_catalog.<) 8 AND d.deptype OPERATOR(pg_catalog.=) 'n')
+         SELECT pg_catalog.string_agg(DISTINCT pg_catalog.pg_describe_object(classid, objid, objsubid), ', ')
+           FROM uses WHERE (pg_catalog.pg_identify_object(classid, objid, 0)).schema OPERATOR(pg_catalog.~) '^pg_temp'",
         &[trigger.into()],
     )
     .unwrap_or_else(|e| crate::errors::internal("reading the key's dependencies", e));

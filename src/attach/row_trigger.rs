@@ -66,21 +66,27 @@ unsafe fn load(rel: pg_sys::Relation) -> Attached {
             .filter_map(|row| row.get::<pg_sys::Oid>(1).ok().flatten())
             .collect::<Vec<_>>()
     }));
-    let Some(super::registry::Attachment { key, inbox, ttl, on_duplicate, .. }) = super::registry::first_of(&tables)
+    // What a hint names: the table at the top of the partition tree, where the trigger was made.
+    let top = tables.last().and_then(|t| crate::catalog::qualified_name(*t)).unwrap_or_else(|| table.clone());
+    let Some(super::registry::Attachment { tbl, key, inbox, ttl, on_duplicate }) = super::registry::first_of(&tables)
     else {
         raise(
             PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
             format!("{table} has pg_dedup's trigger {TRIGGER} but is not attached"),
-            format!("Attach it with dedup.attach('{table}', <key>), or drop the trigger: DROP TRIGGER {TRIGGER} ON {table};"),
+            format!(
+                "Attach it with dedup.attach('{top}', <key>) (a schema-only restore leaves the attachment out), or drop \
+                 the trigger: DROP TRIGGER {TRIGGER} ON {top};"
+            ),
         )
     };
+    let attached_table = crate::catalog::qualified_name(tbl).unwrap_or_else(|| top.clone());
     let on_duplicate = if on_duplicate == "error" { OnDuplicate::Error } else { OnDuplicate::Skip };
     // SAFETY: the relation is open; the key lives in memory of its own under the cache's long-lived context.
     let key = unsafe {
         Key::compile(rel, &key, &table, pg_sys::CacheMemoryContext, || {
             format!(
                 "{table} changed since it was attached (a column renamed, or a function of the key renamed or moved?): \
-                 attach it again with dedup.attach('{table}', <key>), or detach it."
+                 attach {attached_table} again with dedup.attach('{attached_table}', <key>), or detach it."
             )
         })
     };
@@ -116,66 +122,103 @@ unsafe fn attached(rel: pg_sys::Relation) -> Rc<Attached> {
     attached
 }
 
-/// A row leaving a partition of an attached table: PostgreSQL runs an UPDATE that moves a row to another partition as
-/// a DELETE from the old one and an INSERT into the new one (logical replication's apply too), and the INSERT must not
-/// take the row's own key for a duplicate of itself (nor drop a row that exists, whatever the inbox of the partition
-/// it moves to). Its keys (after the UPDATE, and before it), noted by the row's BEFORE UPDATE and BEFORE DELETE, are
-/// let through by the very next BEFORE INSERT into a partition in the same statement, which fires right after them.
-struct Moving {
-    /// The transaction's and the statement's start: a later statement never matches.
-    statement: (i64, i64),
-    keys: Vec<String>,
-    /// Its BEFORE DELETE has fired: it did leave its partition.
-    deleted: bool,
+/// A row leaving a partition: PostgreSQL runs an UPDATE (or MERGE) that moves a row to another partition as a DELETE
+/// from the old partition and an INSERT into the new one, and logical replication's apply does the same for such an
+/// update; the INSERT must not take the row for a duplicate of itself. The row's BEFORE UPDATE notes where its old
+/// version is (the apply's BEFORE DELETE, as it fires no BEFORE UPDATE); the next BEFORE INSERT into a partition of
+/// the same partitioned table lets the row through unmarked if that old version is, by then, deleted by this very
+/// transaction as one that moved to another partition (PostgreSQL marks it so; the apply deletes it in the same
+/// command as it inserts the new one). A row deleted by a DELETE, or updated in place, is never taken for a move.
+#[derive(Clone, Copy)]
+struct Leaving {
+    relid: pg_sys::Oid,
+    tid: pg_sys::ItemPointerData,
+    /// For the apply's delete: the command it ran in, which its insert shares.
+    apply_command: Option<pg_sys::CommandId>,
 }
 
 thread_local! {
-    static MOVING: std::cell::RefCell<Option<Moving>> = const { std::cell::RefCell::new(None) };
+    static LEAVING: Cell<Option<Leaving>> = const { Cell::new(None) };
 }
 
-fn statement() -> (i64, i64) {
-    // SAFETY: reads the backend's transaction and statement start times.
-    unsafe { (pg_sys::GetCurrentTransactionStartTimestamp(), pg_sys::GetCurrentStatementStartTimestamp()) }
+/// Is this process logical replication's apply?
+fn in_apply_worker() -> bool {
+    // SAFETY: reads the background worker entry of this process (NULL in a backend).
+    unsafe {
+        let entry = pg_sys::MyBgworkerEntry;
+        !entry.is_null()
+            && std::ffi::CStr::from_ptr((*entry).bgw_type.as_ptr()).to_bytes().starts_with(b"logical replication")
+    }
 }
 
-/// The BEFORE UPDATE or BEFORE DELETE of a row of a partition: what `Moving` needs. Never raises for a key it
-/// cannot compute (an UPDATE is not deduplicated): such a row is simply not noted.
-///
-/// # Safety
-/// `slot` must hold the row (the new one for an UPDATE, the old one for a DELETE) of `attached`'s table.
-unsafe fn note_leaving(attached: &Attached, slot: *mut pg_sys::TupleTableSlot, deleting: bool) {
-    // SAFETY: the caller vouches for the slot.
-    let key = unsafe { attached.key.eval(slot, &attached.table, |key| key.map(str::to_owned)) };
-    MOVING.with(|moving| {
-        let mut moving = moving.borrow_mut();
-        let same = moving.as_ref().is_some_and(|m| m.statement == statement() && !m.deleted);
-        match (deleting, same) {
-            // The DELETE half of a moving UPDATE: add the key before the UPDATE.
-            (true, true) => {
-                let m = moving.as_mut().expect("checked");
-                m.keys.extend(key);
-                m.deleted = true;
-            }
-            _ => *moving = Some(Moving { statement: statement(), keys: key.into_iter().collect(), deleted: deleting }),
+/// What became of the old version at `leaving`: Some(true) it left by a move (see `Leaving`), Some(false) it went
+/// otherwise (or is gone) and never will move, None not yet changed.
+fn left_by_move(leaving: &Leaving) -> Option<bool> {
+    // SAFETY: the partition is locked by the statement that changes it (or is gone: then None from the open); the
+    // tuple version is fetched with SnapshotAny into a slot of our own and its header only read, then dropped.
+    unsafe {
+        let rel = pg_sys::try_relation_open(leaving.relid, pg_sys::NoLock as pg_sys::LOCKMODE);
+        if rel.is_null() {
+            return Some(false);
         }
-    });
+        let slot = pg_sys::table_slot_create(rel, std::ptr::null_mut());
+        let mut tid = leaving.tid;
+        let outcome = if pg_sys::table_tuple_fetch_row_version(rel, &mut tid, &raw mut pg_sys::SnapshotAnyData, slot) {
+            let mut free = false;
+            let tuple = pg_sys::ExecFetchSlotHeapTuple(slot, false, &mut free);
+            let header = (*tuple).t_data;
+            let infomask = (*header).t_infomask as u32;
+            if infomask & pg_sys::HEAP_XMAX_INVALID != 0 || infomask & pg_sys::HEAP_XMAX_LOCK_ONLY != 0 {
+                None
+            } else {
+                let xmax = if infomask & pg_sys::HEAP_XMAX_IS_MULTI != 0 {
+                    pg_sys::HeapTupleGetUpdateXid(header)
+                } else {
+                    (*header).t_choice.t_heap.t_xmax
+                };
+                let ctid = (*header).t_ctid;
+                let moved = ctid.ip_posid as u32 == pg_sys::MovedPartitionsOffsetNumber
+                    && ctid.ip_blkid.bi_hi == u16::MAX
+                    && ctid.ip_blkid.bi_lo == u16::MAX;
+                let same_command = leaving.apply_command.is_some_and(|c| c == pg_sys::GetCurrentCommandId(false));
+                Some(pg_sys::TransactionIdIsCurrentTransactionId(xmax) && (moved || same_command))
+            }
+        } else {
+            Some(false)
+        };
+        pg_sys::ExecDropSingleTupleTableSlot(slot);
+        pg_sys::relation_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
+        outcome
+    }
 }
 
-/// Is the row being inserted into a partition with `key` a row moving between partitions (see `Moving`)? Either way
-/// the note is used up.
-fn moving_in(key: &str) -> bool {
-    MOVING.with(|moving| {
-        moving
-            .borrow_mut()
-            .take()
-            .is_some_and(|m| m.deleted && m.statement == statement() && m.keys.iter().any(|k| k == key))
-    })
+/// The partitioned table at the top of `relid`'s partition tree.
+fn partition_root(relid: pg_sys::Oid) -> Option<pg_sys::Oid> {
+    Spi::get_one_with_args::<pg_sys::Oid>("SELECT pg_catalog.pg_partition_root($1)", &[relid.into()]).ok().flatten()
+}
+
+/// Is the row being inserted into partition `relid` a row moving from another partition of its table (`Leaving`)?
+/// Only then is the note used up; one that can no longer be a move is dropped.
+fn moving_in(relid: pg_sys::Oid) -> bool {
+    let Some(leaving) = LEAVING.get() else { return false };
+    match left_by_move(&leaving) {
+        Some(true) if partition_root(leaving.relid) == partition_root(relid) => {
+            LEAVING.set(None);
+            true
+        }
+        Some(false) => {
+            LEAVING.set(None);
+            false
+        }
+        _ => false,
+    }
 }
 
 /// The attachment trigger, BEFORE INSERT OR UPDATE OR DELETE, for each row. For an insert it marks the row's key in
 /// the attachment's inbox, with the inserting role's rights, and lets the row through if the key is new; drops it
-/// (`'skip'`) or raises an error (`'error'`) if it is a duplicate. Updates and deletes are not deduplicated: on a
-/// partition they are noted so that a row moving to another partition is not taken for a duplicate of itself.
+/// (`'skip'`) or raises an error (`'error'`) if it is a duplicate. Updates and deletes are not deduplicated, and run
+/// no key: on a partition, where the old version of the row is is noted (`Leaving`), so that a row moving to another
+/// partition is not taken for a duplicate of itself.
 #[pg_trigger]
 fn attached_insert<'a>(
     trigger: &'a pgrx::PgTrigger<'a>,
@@ -193,26 +236,27 @@ fn attached_insert<'a>(
         )
     }
     // SAFETY: a BEFORE row trigger's relation is open.
-    let partition = unsafe { (*(*data.tg_relation).rd_rel).relispartition };
+    let (relid, partition) = unsafe { ((*data.tg_relation).rd_id, (*(*data.tg_relation).rd_rel).relispartition) };
     if operation != pg_sys::TRIGGER_EVENT_INSERT {
-        if partition {
-            let deleting = operation == pg_sys::TRIGGER_EVENT_DELETE;
-            // SAFETY: as above; the trigger's slot holds the old row, the new slot the updated one.
-            unsafe {
-                let attached = attached(data.tg_relation);
-                note_leaving(&attached, if deleting { data.tg_trigslot } else { data.tg_newslot }, deleting);
-            }
+        let deleting = operation == pg_sys::TRIGGER_EVENT_DELETE;
+        // The executor's move fires BEFORE UPDATE on the old partition; the apply's fires only BEFORE DELETE.
+        if partition && (!deleting || in_apply_worker()) {
+            // SAFETY: the trigger's slot holds the old row, read from its partition (its tid set).
+            let tid = unsafe { (*data.tg_trigslot).tts_tid };
+            // SAFETY: reads the current command id.
+            let apply_command = deleting.then(|| unsafe { pg_sys::GetCurrentCommandId(false) });
+            LEAVING.set(Some(Leaving { relid, tid, apply_command }));
         }
-        return Ok(if operation == pg_sys::TRIGGER_EVENT_DELETE { trigger.old() } else { trigger.new() });
+        return Ok(if deleting { trigger.old() } else { trigger.new() });
+    }
+    if partition && moving_in(relid) {
+        return Ok(trigger.new());
     }
     // SAFETY: a BEFORE INSERT row trigger's relation is open and its slot holds the new row.
     let new = unsafe {
         let attached = attached(data.tg_relation);
         attached.key.eval(data.tg_trigslot, &attached.table, |key| {
             let key = input::key_of_row(key, &attached.table);
-            if partition && moving_in(key) {
-                return true;
-            }
             let inbox = inbox::open(&attached.inbox, Access::Mark);
             let new = mark::mark_ids(&inbox, &[key], attached.ttl)[0];
             inbox.count(if new { Counter::RowsPassed } else { Counter::RowsDropped }, 1);
