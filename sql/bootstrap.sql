@@ -39,6 +39,22 @@ CREATE TABLE dedup.positions (
 CREATE INDEX ON dedup.positions (inbox, expires_at);
 SELECT pg_catalog.pg_extension_config_dump('dedup.positions', '');
 
+-- Counts of delivery attempts (dedup.attempt(), docs/poison-messages.md), as the workers last made them durable:
+-- shared memory holds the current ones (src/attempts/). Like dedup.positions, apart from the inbox tables, written
+-- by the workers and read by attempt() and forget() straight through the primary key; only the extension's owner
+-- reads it (dedup.attempts shows each role the inboxes it may read). pg_dump keeps the rows.
+CREATE TABLE dedup.attempt_counts (
+    inbox         text NOT NULL,
+    id            text COLLATE "C" NOT NULL,
+    attempts      integer NOT NULL,
+    first_attempt timestamptz NOT NULL,
+    last_attempt  timestamptz NOT NULL,
+    expires_at    timestamptz NOT NULL,
+    PRIMARY KEY (inbox, id)
+);
+CREATE INDEX ON dedup.attempt_counts (inbox, expires_at);
+SELECT pg_catalog.pg_extension_config_dump('dedup.attempt_counts', '');
+
 -- Tables whose inserts are deduplicated (dedup.attach(), docs/ingest.md): the key expression over the table's
 -- columns, the inbox that holds the keys, their window (NULL: the inbox's default) and what happens to a duplicate
 -- row. `tbl` is a regclass, so pg_dump writes the table's name and a restore finds the new table by it.

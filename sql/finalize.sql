@@ -25,15 +25,26 @@ SELECT i.inbox, c.marks, c.duplicates, c.renewals, c.purged, i.backlog, c.lookup
        c.false_positives, i.filter_trusted,
        w.*, f.*,
        i.filter_trigger, c.claims_new, c.claims_completed, c.claims_in_progress, c.fingerprint_mismatches,
-       c.lease_takeovers, c.advances, c.stale_advances, c.rows_passed, c.rows_dropped
+       c.lease_takeovers, c.advances, c.stale_advances, c.rows_passed, c.rows_dropped, c.attempts
   FROM dedup.inbox_figures() AS i
   LEFT JOIN LATERAL pg_catalog.jsonb_to_record(i.counters)
          AS c(marks bigint, duplicates bigint, renewals bigint, purged bigint, lookups bigint, certainly_new bigint,
               false_positives bigint, claims_new bigint, claims_completed bigint, claims_in_progress bigint,
               fingerprint_mismatches bigint, lease_takeovers bigint, advances bigint, stale_advances bigint,
-              rows_passed bigint, rows_dropped bigint) ON true
+              rows_passed bigint, rows_dropped bigint, attempts bigint) ON true
  CROSS JOIN dedup.worker_stats() AS w
  CROSS JOIN dedup.filter_stats() AS f;
+
+-- The counts of delivery attempts (dedup.attempt()) of the inboxes the reader may read, as the workers last made
+-- them durable (every dedup.attempts_flush_interval), whose window has not passed. A barrier, so that no function of
+-- the reader's query sees the rows of other inboxes.
+CREATE VIEW dedup.attempts WITH (security_barrier) AS
+SELECT a.inbox, a.id, a.attempts, a.first_attempt, a.last_attempt
+  FROM dedup.attempt_counts a
+ WHERE a.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()
+   AND pg_catalog.has_table_privilege(
+         pg_catalog.to_regclass('dedup.' OPERATOR(pg_catalog.||) pg_catalog.quote_ident('inbox_' OPERATOR(pg_catalog.||) a.inbox)),
+         'SELECT');
 
 -- Any DDL that may change an inbox table's filter trigger (disable it, put it in origin mode, drop or re-create it)
 -- makes the filter stop trusting that inbox at once, inside the transaction that changed it; the background worker

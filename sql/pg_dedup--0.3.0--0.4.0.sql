@@ -15,6 +15,9 @@
 -- 2. dedup.stats reads the counters by name, from dedup.inbox_figures() (src/shmem.rs holds their one list), in
 --    place of dedup.inbox_counters(), whose row every new counter had to be added to. The view's columns stay as
 --    they were (CREATE OR REPLACE keeps its grants).
+-- 3. Delivery attempts (docs/poison-messages.md): dedup.attempt() counts them outside the caller's transaction, in
+--    shared memory, and the workers make the counts durable in dedup.attempt_counts; dedup.attempts shows each role
+--    those of the inboxes it may read, and dedup.stats counts attempt() calls (a new column, attempts, at the end).
 \echo Use "ALTER EXTENSION pg_dedup UPDATE TO '0.4.0'" to load this file. \quit
 
 DELETE FROM dedup.attachment_registry a
@@ -75,13 +78,43 @@ SELECT i.inbox, c.marks, c.duplicates, c.renewals, c.purged, i.backlog, c.lookup
        c.false_positives, i.filter_trusted,
        w.*, f.*,
        i.filter_trigger, c.claims_new, c.claims_completed, c.claims_in_progress, c.fingerprint_mismatches,
-       c.lease_takeovers, c.advances, c.stale_advances, c.rows_passed, c.rows_dropped
+       c.lease_takeovers, c.advances, c.stale_advances, c.rows_passed, c.rows_dropped, c.attempts
   FROM dedup.inbox_figures() AS i
   LEFT JOIN LATERAL pg_catalog.jsonb_to_record(i.counters)
          AS c(marks bigint, duplicates bigint, renewals bigint, purged bigint, lookups bigint, certainly_new bigint,
               false_positives bigint, claims_new bigint, claims_completed bigint, claims_in_progress bigint,
               fingerprint_mismatches bigint, lease_takeovers bigint, advances bigint, stale_advances bigint,
-              rows_passed bigint, rows_dropped bigint) ON true
+              rows_passed bigint, rows_dropped bigint, attempts bigint) ON true
  CROSS JOIN dedup.worker_stats() AS w
  CROSS JOIN dedup.filter_stats() AS f;
 DROP FUNCTION dedup.inbox_counters();
+
+CREATE TABLE dedup.attempt_counts (
+    inbox         text NOT NULL,
+    id            text COLLATE "C" NOT NULL,
+    attempts      integer NOT NULL,
+    first_attempt timestamptz NOT NULL,
+    last_attempt  timestamptz NOT NULL,
+    expires_at    timestamptz NOT NULL,
+    PRIMARY KEY (inbox, id)
+);
+CREATE INDEX ON dedup.attempt_counts (inbox, expires_at);
+SELECT pg_catalog.pg_extension_config_dump('dedup.attempt_counts', '');
+
+CREATE VIEW dedup.attempts WITH (security_barrier) AS
+SELECT a.inbox, a.id, a.attempts, a.first_attempt, a.last_attempt
+  FROM dedup.attempt_counts a
+ WHERE a.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()
+   AND pg_catalog.has_table_privilege(
+         pg_catalog.to_regclass('dedup.' OPERATOR(pg_catalog.||) pg_catalog.quote_ident('inbox_' OPERATOR(pg_catalog.||) a.inbox)),
+         'SELECT');
+REVOKE ALL ON dedup.attempt_counts, dedup.attempts FROM PUBLIC;
+
+CREATE FUNCTION dedup.attempt(
+	"id" TEXT,
+	"inbox" TEXT DEFAULT 'default'
+) RETURNS INT
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'attempt_wrapper';
+REVOKE ALL ON FUNCTION dedup.attempt(text, text) FROM PUBLIC;

@@ -98,6 +98,25 @@ pub fn qualified_name(relid: pg_sys::Oid) -> Option<String> {
     }
 }
 
+/// The name of the database this backend is connected to.
+pub fn current_database() -> String {
+    // SAFETY: MyDatabaseId is set once the backend is connected; the name is a palloc'd copy.
+    unsafe { std::ffi::CStr::from_ptr(pg_sys::get_database_name(pg_sys::MyDatabaseId)) }.to_string_lossy().into_owned()
+}
+
+/// The name of the inbox whose table is `relid` (`dedup.inbox_<name>`), None if there is no such table.
+pub fn inbox_name_of(relid: pg_sys::Oid) -> Option<String> {
+    let class = class(relid)?;
+    // SAFETY: a catalog lookup by oid; a palloc'd copy of the name, or NULL.
+    let name = unsafe { pg_sys::get_rel_name(relid) };
+    if name.is_null() || class.namespace != dedup_namespace() {
+        return None;
+    }
+    // SAFETY: a NUL-terminated name, checked for NULL above.
+    let name = unsafe { std::ffi::CStr::from_ptr(name) }.to_string_lossy();
+    name.strip_prefix("inbox_").map(str::to_owned)
+}
+
 /// Does relation `relid` exist (as the catalog snapshot sees it; the caller holds a lock on it, or accepts that it
 /// may go right after)?
 pub fn relation_exists(relid: pg_sys::Oid) -> bool {

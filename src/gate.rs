@@ -6,7 +6,6 @@ use crate::errors;
 use crate::inbox::Inbox;
 use crate::shmem::Counter;
 use crate::{filter, guc};
-use pgrx::prelude::*;
 use std::cell::Cell;
 
 thread_local! {
@@ -53,10 +52,7 @@ fn degraded() -> Option<(String, String)> {
             "Add pg_dedup to shared_preload_libraries and restart the server to enable them.".into(),
         ));
     }
-    // SAFETY: MyDatabaseId is set once the backend is connected, which it is when a function runs.
-    let database = unsafe { std::ffi::CStr::from_ptr(pg_sys::get_database_name(pg_sys::MyDatabaseId)) }
-        .to_string_lossy()
-        .into_owned();
+    let database = crate::catalog::current_database();
     let mut listed = guc::worker_databases();
     if listed.contains(&database) {
         return None;

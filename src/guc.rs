@@ -22,6 +22,10 @@ pub static PURGE_BATCH_SIZE: GucSetting<i32> = GucSetting::<i32>::new(10_000);
 pub static PURGE_BATCH_DELAY: GucSetting<i32> = GucSetting::<i32>::new(10);
 /// Most rows one purge cycle deletes per database (0: no cap).
 pub static PURGE_MAX_ROWS_PER_CYCLE: GucSetting<i32> = GucSetting::<i32>::new(0);
+/// Ids whose counts of delivery attempts shared memory holds at once (postmaster start).
+pub static ATTEMPTS_MAX: GucSetting<i32> = GucSetting::<i32>::new(10_000);
+/// How often the workers make counts of delivery attempts durable, in milliseconds.
+pub static ATTEMPTS_FLUSH_INTERVAL: GucSetting<i32> = GucSetting::<i32>::new(1_000);
 /// Longest a purge batch of the workers may take, in milliseconds (0: no limit).
 pub static PURGE_BATCH_TIMEOUT: GucSetting<i32> = GucSetting::<i32>::new(30_000);
 
@@ -48,6 +52,29 @@ pub fn init_preloaded() {
         0.5,
         GucContext::Postmaster,
         GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"dedup.attempts_max",
+        c"Ids whose counts of delivery attempts (dedup.attempt()) shared memory holds at once.",
+        c"About 190 bytes each (ids up to 128 bytes; a 64th as many slots, at least 16, for longer ids, about 2.1 kB \
+          each). A count waits there until the worker makes it durable (dedup.attempts_flush_interval); when every slot \
+          holds one, dedup.attempt() raises an error.",
+        &ATTEMPTS_MAX,
+        16,
+        10_000_000,
+        GucContext::Postmaster,
+        GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"dedup.attempts_flush_interval",
+        c"How often the background workers make counts of delivery attempts durable.",
+        c"A crash of the server loses the counts made since the last time (a count can then be lower than the truth, \
+          never higher); a clean shutdown loses none.",
+        &ATTEMPTS_FLUSH_INTERVAL,
+        10,
+        3_600_000,
+        GucContext::Sighup,
+        GucFlags::UNIT_MS,
     );
     GucRegistry::define_string_guc(
         c"dedup.database",
@@ -208,6 +235,8 @@ mod tests {
         assert_eq!(
             names,
             [
+                "dedup.attempts_flush_interval",
+                "dedup.attempts_max",
                 "dedup.bloom",
                 "dedup.bloom_capacity",
                 "dedup.bloom_false_positive_rate",

@@ -1,9 +1,9 @@
 //! `create_inbox()` and `drop_inbox()`: the SQL face of the inbox registry (`inbox`). Dropping an inbox asks the
 //! rooms that keep something of it first: an attached table refuses the drop (`attach`), and the inbox's positions
-//! go with it (`positions`).
+//! (`positions`) and counts of attempts (`attempts`) go with it.
 
 use crate::errors::raise;
-use crate::{attach, inbox, input, positions};
+use crate::{attach, attempts, inbox, input, positions};
 use pgrx::prelude::*;
 
 /// Creates an inbox: an independent namespace of marks (one per consumer of the same events).
@@ -28,7 +28,13 @@ fn drop_inbox(name: Option<&str>) {
     input::require_writable("drop_inbox");
     inbox::drop(
         input::inbox_name(name),
-        &inbox::Dependents { check: &attach::refuse_to_drop_inbox, forget: &positions::forget_inbox },
+        &inbox::Dependents {
+            check: &attach::refuse_to_drop_inbox,
+            forget: &|name| {
+                positions::forget_inbox(name);
+                attempts::forget_inbox(name);
+            },
+        },
     );
 }
 

@@ -8,6 +8,7 @@
 //! - `idempotency` — idempotency keys: claim(), complete(), release(), fingerprint()
 //! - `attach`      — attach(), detach(): deduplicating a table's inserts (INSERT, COPY, replication) by a key
 //! - `positions`   — advance(), position(): per-key positions of ordered streams
+//! - `attempts`    — attempt(): counts of delivery attempts that survive a rollback (poison messages)
 //! - `inboxes`     — create_inbox(), drop_inbox()
 //! - `purge`       — purge(), and the workers' purge cycles: batched deletion of expired marks
 //! - `distribute`  — distribute_inbox(), undistribute_inbox() (Citus)
@@ -44,6 +45,7 @@
 //! - `sql/`    — the hand-written SQL objects (row type, registry, default inbox, views, privileges)
 
 mod attach;
+mod attempts;
 mod catalog;
 mod citus;
 mod clock;

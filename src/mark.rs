@@ -21,7 +21,7 @@ use crate::clock::{expiry, statement_now};
 use crate::errors::raise;
 use crate::inbox::{self, Access, Inbox, Stmt};
 use crate::shmem::Counter;
-use crate::{direct, gate, input, rows};
+use crate::{attempts, direct, gate, input, rows};
 use pgrx::prelude::*;
 use rustc_hash::FxHashSet as HashSet;
 
@@ -273,6 +273,7 @@ fn forget(id: Option<&str>, inbox: default!(Option<&str>, "'default'")) -> bool 
     input::require_writable("forget");
     let id = input::id(id);
     let inbox = inbox::open(input::inbox_name(inbox), Access::Delete);
+    attempts::forget(&inbox, id);
     forget_id(&inbox, id)
 }
 

@@ -11,7 +11,7 @@ use crate::errors::server_log;
 use crate::inbox::{self, Access, Inbox, Stmt};
 use crate::shmem::{Counter, WorkerSlot};
 use crate::xact::{self, in_transaction, try_transaction};
-use crate::{citus, guc, input, ports, positions, rights};
+use crate::{attempts, citus, guc, input, ports, positions, rights};
 use pgrx::prelude::*;
 use std::ffi::CStr;
 use std::time::{Duration, Instant};
@@ -58,9 +58,18 @@ fn purge_batch_in_place(inbox: &Inbox, now: TimestampWithTimeZone, limit: i64) -
 /// (`advance()`), batch after batch, in the current transaction. Returns how many were deleted.
 pub fn purge_inbox(inbox: &Inbox, limit: Option<i64>) -> i64 {
     let now = statement_now();
-    let marks = in_batches(limit, |want| purge_batch_in_place(inbox, now, want));
-    marks + in_batches(limit.map(|l| l - marks), |want| positions::purge_batch(inbox, now, want))
+    let mut deleted = in_batches(limit, |want| purge_batch_in_place(inbox, now, want));
+    for (_, purge) in KEPT_APART {
+        deleted += in_batches(limit.map(|l| l - deleted), |want| purge(inbox, now, want));
+    }
+    deleted
 }
+
+/// What an inbox keeps apart from its table, and how to delete a batch of what expired of it before `now`: the
+/// positions of `advance()` and the counts of `attempt()`, each in a table of the extension owner's (whose rights
+/// they take to delete).
+const KEPT_APART: [(&str, fn(&Inbox, TimestampWithTimeZone, i64) -> i64); 2] =
+    [("positions", positions::purge_batch), ("counts of attempts", attempts::purge_batch)];
 
 /// Runs `batch(want)` until it deletes fewer than asked or `limit` is reached; returns the total.
 fn in_batches(limit: Option<i64>, mut batch: impl FnMut(i64) -> i64) -> i64 {
@@ -141,27 +150,28 @@ pub fn purge_cycle(slot: &WorkerSlot, go_on: impl Fn(Duration) -> bool) {
             };
             record_backlog(name, capped);
         }
-        purge_positions(name, &go_on);
+        purge_kept_apart(name, &go_on);
     }
     slot.record_cycle(start, started.elapsed().as_micros() as i64, total);
 }
 
-/// The expired positions (`advance()`) of inbox `name`, batch after batch, each in a transaction of its own, paced
-/// like the marks' batches. They belong to the extension's owner, whose rights `positions` takes (the worker is no
-/// table owner here).
-fn purge_positions(name: &str, go_on: &impl Fn(Duration) -> bool) {
+/// What inbox `name` keeps apart (`KEPT_APART`) that expired, batch after batch, each in a transaction of its own,
+/// paced like the marks' batches.
+fn purge_kept_apart(name: &str, go_on: &impl Fn(Duration) -> bool) {
     let limit = guc::PURGE_BATCH_SIZE.get() as i64;
-    let mut pause = Duration::ZERO;
-    while go_on(std::mem::take(&mut pause)) {
-        let batch = || {
-            with_batch_timeout(|| {
-                let inbox = inbox::open(name, Access::Delete);
-                positions::purge_batch(&inbox, statement_now(), limit)
-            })
-        };
-        match in_transaction(&format!("purging the positions of inbox \"{name}\""), batch) {
-            Some(deleted) if deleted == limit => pause = Duration::from_millis(guc::PURGE_BATCH_DELAY.get() as u64),
-            _ => return,
+    for (what, purge) in KEPT_APART {
+        let mut pause = Duration::ZERO;
+        while go_on(std::mem::take(&mut pause)) {
+            let batch = || {
+                with_batch_timeout(|| {
+                    let inbox = inbox::open(name, Access::Delete);
+                    purge(&inbox, statement_now(), limit)
+                })
+            };
+            match in_transaction(&format!("purging the {what} of inbox \"{name}\""), batch) {
+                Some(deleted) if deleted == limit => pause = Duration::from_millis(guc::PURGE_BATCH_DELAY.get() as u64),
+                _ => break,
+            }
         }
     }
 }

@@ -1,5 +1,5 @@
 //! pg_dedup's one region of shared memory (preloaded only): the Bloom filter's generations and state, per-inbox
-//! state and counters, and the per-database worker slots. Requested at postmaster start, zeroed whenever Postgres
+//! state and counters, the per-database worker slots, and the counts of delivery attempts (`attempts::Store`). Requested at postmaster start, zeroed whenever Postgres
 //! creates it (start, and re-initialisation after a crash), so nothing in it survives a restart.
 
 use crate::guc;
@@ -79,6 +79,8 @@ counters! {
     RowsPassed => "rows_passed",
     /// Rows of attached tables dropped or refused as duplicates.
     RowsDropped => "rows_dropped",
+    /// Delivery attempts counted by attempt().
+    Attempts => "attempts",
 }
 
 #[repr(C)]
@@ -180,6 +182,8 @@ pub struct Header {
     pub next_rotation_at: AtomicI64,
     /// Seconds to wait after the next rotation if it, too, ends above target.
     pub rotation_backoff: AtomicU64,
+    /// Where the counts of delivery attempts start, in bytes from the start of the region (after the filter words).
+    attempts_offset: u64,
     /// Taken to claim or free entries (lookups take nothing): a spin lock, held only for a scan of the entries.
     entries_lock: AtomicBool,
     entries: [Entry; MAX_INBOXES],
@@ -199,10 +203,15 @@ thread_local! {
     static PREV_REQUEST: Cell<pg_sys::shmem_request_hook_type> = const { Cell::new(None) };
 }
 
-/// Bytes of the region for the configured filter capacity and rate.
-fn region_size() -> usize {
+/// Bytes of the filter's two generations, for the configured capacity and rate.
+fn filter_bytes() -> usize {
     let blocks = pg_dedup_bloom::blocks_for(guc::BLOOM_CAPACITY.get() as u64, guc::BLOOM_FPR.get());
-    std::mem::size_of::<Header>() + 2 * blocks as usize * WORDS_PER_BLOCK * 4
+    2 * blocks as usize * WORDS_PER_BLOCK * 4
+}
+
+/// Bytes of the region: the header, the filter, the counts of delivery attempts.
+fn region_size() -> usize {
+    std::mem::size_of::<Header>() + filter_bytes() + crate::attempts::store_size(guc::ATTEMPTS_MAX.get() as usize)
 }
 
 pub fn size() -> usize {
@@ -266,7 +275,8 @@ unsafe extern "C-unwind" fn startup_shmem() {
             std::ptr::write_bytes(memory as *mut u8, 0, size);
             let header = memory as *mut Header;
             (*header).magic = MAGIC;
-            (*header).words = ((size - std::mem::size_of::<Header>()) / 8) as u64;
+            (*header).words = (filter_bytes() / 8) as u64;
+            (*header).attempts_offset = (std::mem::size_of::<Header>() + filter_bytes()) as u64;
             (*header).next_epoch = AtomicU64::new(3);
             (*header).epoch = [AtomicU64::new(1), AtomicU64::new(2)];
         }
@@ -282,6 +292,25 @@ pub fn region() -> Option<&'static Header> {
 }
 
 impl Header {
+    /// The counts of delivery attempts.
+    pub fn attempts(&'static self) -> &'static crate::attempts::Store {
+        thread_local! {
+            static STORE: std::cell::OnceCell<&'static crate::attempts::Store> = const { std::cell::OnceCell::new() };
+        }
+        STORE.with(|store| {
+            *store.get_or_init(|| {
+                // SAFETY: the store's memory follows the filter inside the region sized by `region_size` for the
+                // same setting, zeroed when created; leaked once per process, like the region itself.
+                Box::leak(Box::new(unsafe {
+                    crate::attempts::Store::at(
+                        (self as *const Header as *mut u8).add(self.attempts_offset as usize),
+                        guc::ATTEMPTS_MAX.get() as usize,
+                    )
+                }))
+            })
+        })
+    }
+
     /// The words of filter generation `gen`.
     pub fn filter_words(&'static self, gen: usize) -> &'static [AtomicU32] {
         let words = self.words as usize;

@@ -8,7 +8,7 @@
 use crate::errors::server_log;
 use crate::shmem;
 use crate::xact::in_transaction;
-use crate::{guc, ports, purge, rebuild};
+use crate::{attempts, guc, ports, purge, rebuild};
 use pgrx::bgworkers::{
     BackgroundWorker, BackgroundWorkerBuilder, BackgroundWorkerStatus, BgWorkerStartTime, DynamicBackgroundWorker,
     SignalWakeFlags,
@@ -39,6 +39,20 @@ fn nap(timeout: Duration) -> bool {
         STOPPING.store(true, Ordering::Relaxed);
     }
     !stopping()
+}
+
+/// Is the postmaster alive (else there is no server left to write to)?
+fn postmaster_alive() -> bool {
+    // SAFETY: polls for the postmaster's death, without waiting (timeout 0) and without the latch.
+    let events = unsafe {
+        pg_sys::WaitLatch(
+            pg_sys::MyLatch,
+            (pg_sys::WL_TIMEOUT | pg_sys::WL_POSTMASTER_DEATH) as i32,
+            0,
+            pg_sys::PG_WAIT_EXTENSION,
+        )
+    };
+    events & pg_sys::WL_POSTMASTER_DEATH as i32 == 0
 }
 
 pub fn init_preloaded() {
@@ -219,14 +233,31 @@ pub extern "C-unwind" fn pg_dedup_worker_main(arg: pg_sys::Datum) {
     };
     server_log!("pg_dedup worker: looking after the inboxes of database \"{database}\"");
     let mut told_missing = false;
+    let mut installed = false;
     let mut last_purge: Option<Instant> = None;
+    // Counts of delivery attempts are made durable every dedup.attempts_flush_interval, also between the batches of
+    // a long purge cycle, and once more before the worker stops (a clean shutdown stops it first).
+    let last_flush = std::cell::Cell::new(Instant::now());
+    let flush_interval = || Duration::from_millis(guc::ATTEMPTS_FLUSH_INTERVAL.get().max(1) as u64);
+    let flush = |installed: bool| {
+        if installed {
+            last_flush.set(Instant::now());
+            attempts::make_durable();
+        }
+    };
+    let flush_if_due = |installed: bool| {
+        if last_flush.get().elapsed() >= flush_interval() {
+            flush(installed);
+        }
+    };
     loop {
         if !reload_and_still_listed(&database) {
+            flush(installed);
             server_log!("pg_dedup worker: database \"{database}\" is no longer in dedup.database; stopping");
             slot.pid.store(0, Ordering::Release);
             return; // exit code 0: the postmaster does not start it again
         }
-        let installed = in_transaction("checking for the extension", || {
+        installed = in_transaction("checking for the extension", || {
             Spi::get_one::<bool>(
                 "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_extension WHERE extname OPERATOR(pg_catalog.=) 'pg_dedup')",
             )
@@ -251,9 +282,11 @@ pub extern "C-unwind" fn pg_dedup_worker_main(arg: pg_sys::Datum) {
                 // database has left `dedup.database` (so that a DROP DATABASE after the reload need not wait for a
                 // long cycle).
                 purge::purge_cycle(slot, |pause| {
+                    flush_if_due(installed);
                     (pause.is_zero() || nap(pause)) && !stopping() && reload_and_still_listed(&database)
                 });
             }
+            flush_if_due(installed);
         }
         // Publish what the purges did to the table statistics, as a backend does when it goes idle: autovacuum
         // learns of the dead rows only from them. A no-op when nothing is pending; what is held back (flushed
@@ -268,9 +301,14 @@ pub extern "C-unwind" fn pg_dedup_worker_main(arg: pg_sys::Datum) {
             (true, None) => Duration::ZERO,
             (true, Some(t)) => interval.saturating_sub(t.elapsed()),
         };
-        if !nap(until_purge.clamp(Duration::from_millis(10), NAP)) {
-            // Terminated (the launcher notices and starts a new worker, unless the database left the list), or
-            // the postmaster died (then nothing is restarted).
+        let until_flush = flush_interval().saturating_sub(last_flush.get().elapsed());
+        if !nap(until_purge.min(until_flush).clamp(Duration::from_millis(10), NAP)) {
+            // Terminated (the launcher notices and starts a new worker, unless the database left the list; a clean
+            // shutdown terminates the workers first), or the postmaster died (then nothing is restarted, and there
+            // is no server left to write to).
+            if postmaster_alive() {
+                flush(installed);
+            }
             slot.pid.store(0, Ordering::Release);
             exit_for_restart();
         }

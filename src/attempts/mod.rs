@@ -1,0 +1,350 @@
+//! Delivery attempts (docs/poison-messages.md): `attempt(id, inbox)` counts one attempt to process message `id` and
+//! returns how many have been counted, this one included. Not in the caller's transaction, on purpose: a consumer
+//! that fails on a message and rolls back (or dies) finds the attempt counted the next time the message comes, and
+//! can park a message that keeps failing ("poison") after N tries, inside its transaction.
+//!
+//! Where counts live: in shared memory (`store`), where an attempt is one increment under a spin lock (no row and no
+//! WAL on the caller's path), and in `dedup.attempt_counts`, where the database's worker writes every count that
+//! changed, every `dedup.attempts_flush_interval` and when it stops (a clean shutdown stops it first), in
+//! transactions of its own. A count the store does not hold (evicted, or after a restart) starts from the table.
+//! After a crash of the server the counts made since the worker last wrote are lost, so a count may come out lower
+//! than the truth (by at most what was counted in that interval), never higher.
+//!
+//! What resets a count: `forget()` of the id (at its commit), the inbox's default TTL passing since the last attempt,
+//! and `drop_inbox()`. Marks and claims never touch it. A full store (every slot holds a count the worker has not
+//! written yet) refuses the attempt with a `dedup:` error rather than lose a count or wait.
+
+mod durable;
+mod store;
+
+use crate::clock::{expiry, statement_now};
+use crate::errors::{internal, raise};
+use crate::inbox::{self, Access, Inbox};
+use crate::plans::{statements, Plans};
+use crate::shmem::{self, Counter};
+use crate::{catalog, guc, input, rights, xact};
+use pgrx::prelude::*;
+use std::cell::{Cell, RefCell};
+pub use store::Store;
+
+/// Bytes of shared memory the counts of `max` ids take.
+pub fn store_size(max: usize) -> usize {
+    store::size(max)
+}
+
+statements! {
+    /// $1 inboxes, $2 ids, $3 counts, $4 first, $5 last, $6 expires → writes the counts (a count of zero deletes).
+    Write,
+    /// $1 inbox, $2 now, $3 batch size → deletes up to that many lapsed counts.
+    PurgeBatch,
+}
+
+impl Stmt {
+    fn sql(self) -> &'static str {
+        match self {
+            Stmt::Write => {
+                "WITH w AS (SELECT * FROM ROWS FROM (pg_catalog.unnest($1), pg_catalog.unnest($2), \
+                              pg_catalog.unnest($3), pg_catalog.unnest($4), pg_catalog.unnest($5), \
+                              pg_catalog.unnest($6)) AS w(inbox, id, attempts, first_attempt, last_attempt, expires_at)), \
+                      gone AS (DELETE FROM dedup.attempt_counts a USING w \
+                                WHERE w.attempts OPERATOR(pg_catalog.=) 0 AND a.inbox OPERATOR(pg_catalog.=) w.inbox \
+                                  AND a.id OPERATOR(pg_catalog.=) w.id) \
+                 INSERT INTO dedup.attempt_counts AS a \
+                 SELECT * FROM w WHERE w.attempts OPERATOR(pg_catalog.>) 0 \
+                 ON CONFLICT (inbox, id) DO UPDATE SET attempts = excluded.attempts, \
+                   first_attempt = excluded.first_attempt, last_attempt = excluded.last_attempt, \
+                   expires_at = excluded.expires_at"
+            }
+            // Ordered, so the cached generic plan scans the (inbox, expires_at) index: see the inbox's purge.
+            Stmt::PurgeBatch => {
+                "DELETE FROM dedup.attempt_counts WHERE ctid OPERATOR(pg_catalog.=) ANY (ARRAY(SELECT ctid \
+                 FROM dedup.attempt_counts WHERE inbox OPERATOR(pg_catalog.=) $1 \
+                 AND expires_at OPERATOR(pg_catalog.<=) $2 ORDER BY expires_at LIMIT $3 FOR UPDATE SKIP LOCKED))"
+            }
+        }
+    }
+
+    fn arg_types(self) -> Vec<PgOid> {
+        use pgrx::pg_sys::BuiltinOid::*;
+        let oids = match self {
+            Stmt::Write => vec![
+                TEXTARRAYOID,
+                TEXTARRAYOID,
+                INT4ARRAYOID,
+                TIMESTAMPTZARRAYOID,
+                TIMESTAMPTZARRAYOID,
+                TIMESTAMPTZARRAYOID,
+            ],
+            Stmt::PurgeBatch => vec![TEXTOID, TIMESTAMPTZOID, INT8OID],
+        };
+        oids.into_iter().map(PgOid::BuiltIn).collect()
+    }
+}
+
+thread_local! {
+    static PLANS: Plans<{ Stmt::COUNT }> = Plans::default();
+}
+
+/// Runs `stmt` on `dedup.attempt_counts` (its caller has the rights to) and returns how many rows it touched.
+fn run(stmt: Stmt, args: &[pgrx::datum::DatumWithOid<'_>]) -> usize {
+    Spi::connect(|client| {
+        PLANS.with(|plans| {
+            let plan = plans.get(client, stmt as usize, || stmt.sql().to_owned(), || stmt.arg_types());
+            // `select` on a plan prepared with `prepare_mut` runs it read-write.
+            client.select(plan, None, args).unwrap_or_else(|e| internal("writing dedup.attempt_counts", e)).len()
+        })
+    })
+}
+
+/// The store, and a worker that makes its counts durable, for this database; otherwise the `dedup:` error that says
+/// what the installation lacks.
+fn store() -> &'static Store {
+    let Some(store) = shmem::region().map(|r| r.attempts()) else {
+        raise(
+            PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
+            "attempt() needs pg_dedup in shared_preload_libraries",
+            "Counts of attempts live in shared memory until the background worker makes them durable: add pg_dedup to \
+             shared_preload_libraries and restart the server.",
+        )
+    };
+    let database = catalog::current_database();
+    let listed = guc::worker_databases();
+    if !listed.contains(&database) {
+        raise(
+            PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
+            format!("attempt() needs the pg_dedup worker of database \"{database}\" to make its counts durable"),
+            format!(
+                "Add the database to dedup.database and reload: ALTER SYSTEM SET dedup.database = '{}'; SELECT \
+                 pg_reload_conf();",
+                listed.into_iter().chain([database.clone()]).collect::<Vec<_>>().join(", ")
+            ),
+        )
+    }
+    store
+}
+
+/// Counts one delivery attempt of `id` in `inbox` and returns the number of attempts counted for it so far, this one
+/// included (1 the first time). Not undone by the caller's ROLLBACK: see the module comment.
+#[pg_extern(volatile, parallel_unsafe)]
+fn attempt(id: Option<&str>, inbox: default!(Option<&str>, "'default'")) -> i32 {
+    input::require_writable("attempt");
+    let id = input::id(id);
+    let inbox = inbox::open(input::inbox_name(inbox), Access::Mark);
+    let store = store();
+    let now = statement_now();
+    let expires = expiry(now, inbox.default_ttl);
+    let (now_us, expires_us) = (now.into_inner(), expires.into_inner());
+    let count = loop {
+        if let Some(count) = store.bump_held(inbox.ns, id, now_us, expires_us) {
+            break count;
+        }
+        let seen = store.evictions();
+        let durable = durable::read(&inbox.name, id, now_us);
+        match store.bump_new(inbox.ns, id, now_us, expires_us, durable, seen) {
+            Ok(Some(count)) => break count,
+            Ok(None) => continue, // a slot was freed meanwhile: the durable count may be stale
+            Err(store::Full) => raise(
+                PgSqlErrorCode::ERRCODE_CONFIGURATION_LIMIT_EXCEEDED,
+                format!(
+                    "shared memory holds no more counts of delivery attempts: all {} are waiting for the worker to \
+                     make them durable",
+                    guc::ATTEMPTS_MAX.get()
+                ),
+                "The worker writes them every dedup.attempts_flush_interval: raise dedup.attempts_max (a restart), or \
+                 lower dedup.attempts_flush_interval; check that the worker of this database runs (dedup.stats).",
+            ),
+        }
+    };
+    inbox.count(Counter::Attempts, 1);
+    count as i32
+}
+
+thread_local! {
+    /// `forget()`s of this transaction whose counts go at its commit: inbox key, id, subtransaction level.
+    static FORGOTTEN: RefCell<Vec<(u64, String, i32)>> = const { RefCell::new(Vec::new()) };
+    static CALLBACKS: Cell<bool> = const { Cell::new(false) };
+}
+
+/// `forget()` of `id`: its durable count goes now (in the caller's transaction), the one in shared memory when the
+/// transaction commits (a forget that rolls back resets nothing).
+pub fn forget(inbox: &Inbox, id: &str) {
+    durable::delete(&inbox.name, id);
+    if shmem::region().is_none() {
+        return;
+    }
+    if !CALLBACKS.replace(true) {
+        // SAFETY: registers guarded callbacks for the rest of the backend's life.
+        unsafe {
+            pg_sys::RegisterXactCallback(Some(at_end_of_transaction), std::ptr::null_mut());
+            pg_sys::RegisterSubXactCallback(Some(at_end_of_subtransaction), std::ptr::null_mut());
+        }
+    }
+    // SAFETY: reads the backend's transaction nesting level.
+    let level = unsafe { pg_sys::GetCurrentTransactionNestLevel() };
+    FORGOTTEN.with(|f| f.borrow_mut().push((inbox.ns, id.to_owned(), level)));
+}
+
+/// # Safety
+/// Called by PostgreSQL only, at the end of a transaction.
+#[pg_guard]
+unsafe extern "C-unwind" fn at_end_of_transaction(event: pg_sys::XactEvent::Type, _arg: *mut std::ffi::c_void) {
+    let forgotten = FORGOTTEN.with(|f| std::mem::take(&mut *f.borrow_mut()));
+    let committed =
+        event == pg_sys::XactEvent::XACT_EVENT_COMMIT || event == pg_sys::XactEvent::XACT_EVENT_PARALLEL_COMMIT;
+    if committed {
+        if let Some(store) = shmem::region().map(|r| r.attempts()) {
+            // SAFETY: reads the clock.
+            let now = unsafe { pg_sys::GetCurrentTimestamp() };
+            // A full store cannot hold the reset; the durable count went with the transaction, and no count of the
+            // id waits in the store (else it would have had a slot).
+            for (ns, id, _) in forgotten {
+                let _ = store.reset(ns, &id, now);
+            }
+        }
+    } else if event != pg_sys::XactEvent::XACT_EVENT_ABORT && event != pg_sys::XactEvent::XACT_EVENT_PARALLEL_ABORT {
+        // Before commit (PRE_COMMIT, PREPARE, ...): keep them for the end.
+        FORGOTTEN.with(|f| *f.borrow_mut() = forgotten);
+    }
+}
+
+/// # Safety
+/// Called by PostgreSQL only, at the end of a subtransaction.
+#[pg_guard]
+unsafe extern "C-unwind" fn at_end_of_subtransaction(
+    event: pg_sys::SubXactEvent::Type,
+    _sub: pg_sys::SubTransactionId,
+    _parent: pg_sys::SubTransactionId,
+    _arg: *mut std::ffi::c_void,
+) {
+    // SAFETY: reads the backend's transaction nesting level (still the ending subtransaction's).
+    let level = unsafe { pg_sys::GetCurrentTransactionNestLevel() };
+    FORGOTTEN.with(|f| {
+        let mut f = f.borrow_mut();
+        match event {
+            pg_sys::SubXactEvent::SUBXACT_EVENT_ABORT_SUB => f.retain(|(_, _, l)| *l < level),
+            pg_sys::SubXactEvent::SUBXACT_EVENT_COMMIT_SUB => {
+                f.iter_mut().filter(|(_, _, l)| *l >= level).for_each(|(_, _, l)| *l = level - 1)
+            }
+            _ => {}
+        }
+    });
+}
+
+/// Deletes every durable count of inbox `name`, which is being dropped (for `drop_inbox()`, which runs it as the
+/// extension's owner). Its counts in shared memory go at the worker's next round (their table is gone).
+pub fn forget_inbox(name: &str) {
+    Spi::run_with_args("DELETE FROM dedup.attempt_counts WHERE inbox OPERATOR(pg_catalog.=) $1", &[name.into()])
+        .unwrap_or_else(|e| internal("deleting the inbox's attempts", e));
+}
+
+/// Deletes up to `limit` lapsed counts of `inbox`, skipping rows another transaction holds; returns how many.
+pub fn purge_batch(inbox: &Inbox, now: TimestampWithTimeZone, limit: i64) -> i64 {
+    rights::as_extension_owner("purge", || {
+        run(Stmt::PurgeBatch, &[inbox.name.as_str().into(), now.into(), limit.into()]) as i64
+    })
+}
+
+/// The worker's round: writes the counts of this database that changed since it last wrote them, in a transaction of
+/// its own (as the worker, a superuser), then lets their slots serve other ids.
+pub fn make_durable() {
+    thread_local! {
+        /// When a failed round was last logged: a round that keeps failing is logged once a minute, not every time.
+        static LOGGED: Cell<Option<std::time::Instant>> = const { Cell::new(None) };
+    }
+    match xact::try_transaction(write_changed) {
+        Ok(written) => {
+            mark_written(&written);
+            LOGGED.set(None);
+        }
+        Err((_, message)) => {
+            if LOGGED.get().is_none_or(|at| at.elapsed() >= std::time::Duration::from_secs(60)) {
+                LOGGED.set(Some(std::time::Instant::now()));
+                crate::errors::server_log!(
+                    "pg_dedup worker: making counts of delivery attempts durable failed (tried again every \
+                     dedup.attempts_flush_interval): {message}"
+                );
+            }
+        }
+    }
+}
+
+/// Writes the counts of this database that changed, and returns them.
+fn write_changed() -> Vec<store::Count> {
+    let Some(store) = shmem::region().map(|r| r.attempts()) else { return Vec::new() };
+    // SAFETY: reads a backend global, set once connected.
+    let db = unsafe { pg_sys::MyDatabaseId };
+    let changed = store.counts(db, true);
+    let mut gone = Vec::new();
+    let mut written = Vec::new();
+    let mut columns: (
+        Vec<String>,
+        Vec<String>,
+        Vec<i32>,
+        Vec<TimestampWithTimeZone>,
+        Vec<TimestampWithTimeZone>,
+        Vec<TimestampWithTimeZone>,
+    ) = Default::default();
+    for count in changed {
+        let Some(inbox) = catalog::inbox_name_of(shmem::relation_of(count.ns)) else {
+            gone.push(count.ns);
+            continue;
+        };
+        let at = |t: i64| TimestampWithTimeZone::try_from(t).expect("a timestamp the store kept");
+        columns.0.push(inbox);
+        columns.1.push(count.id.clone());
+        columns.2.push(count.count as i32);
+        columns.3.push(at(count.first));
+        columns.4.push(at(count.last));
+        columns.5.push(at(count.expires));
+        written.push(count);
+    }
+    if !written.is_empty() {
+        let (inboxes, ids, counts, firsts, lasts, expires) = columns;
+        let args = [inboxes.into(), ids.into(), counts.into(), firsts.into(), lasts.into(), expires.into()];
+        run(Stmt::Write, &args);
+    }
+    if !gone.is_empty() {
+        // SAFETY: reads the clock.
+        store.sweep(db, unsafe { pg_sys::GetCurrentTimestamp() }, &gone);
+    }
+    written
+}
+
+/// Once the counts `written` are committed: they are clean (their slots may then serve other ids), and lapsed ones go
+/// from shared memory.
+fn mark_written(written: &[store::Count]) {
+    if let Some(store) = shmem::region().map(|r| r.attempts()) {
+        store.written(written);
+        // SAFETY: reads a backend global and the clock.
+        let (db, now) = unsafe { (pg_sys::MyDatabaseId, pg_sys::GetCurrentTimestamp()) };
+        store.sweep(db, now, &[]);
+    }
+}
+
+#[cfg(any(test, feature = "pg_test"))]
+#[pg_schema]
+mod tests {
+    use crate::testing::*;
+    use pgrx::prelude::*;
+
+    #[pg_test]
+    fn attempts_need_a_worker_for_the_database() {
+        // No worker serves the pgrx test database (lib.rs): counts could never be made durable.
+        let (code, message) = error_of("SELECT dedup.attempt('a')");
+        assert_eq!(code, PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE, "{message}");
+        assert!(message.contains("needs the pg_dedup worker of database"), "{message}");
+        assert_dedup_error("SELECT dedup.attempt('a')", PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE);
+    }
+
+    #[pg_test]
+    fn attempts_bad_input_gets_a_dedup_error() {
+        use PgSqlErrorCode::*;
+        assert_dedup_error("SELECT dedup.attempt(NULL)", ERRCODE_NULL_VALUE_NOT_ALLOWED);
+        assert_dedup_error("SELECT dedup.attempt('')", ERRCODE_INVALID_PARAMETER_VALUE);
+        assert_dedup_error("SELECT dedup.attempt(repeat('x', 2049))", ERRCODE_PROGRAM_LIMIT_EXCEEDED);
+        assert_dedup_error("SELECT dedup.attempt('a', NULL)", ERRCODE_NULL_VALUE_NOT_ALLOWED);
+        assert_dedup_error("SELECT dedup.attempt('a', 'nope')", ERRCODE_UNDEFINED_OBJECT);
+        run("SET LOCAL transaction_read_only = on");
+        assert_dedup_error("SELECT dedup.attempt('a')", ERRCODE_READ_ONLY_SQL_TRANSACTION);
+    }
+}

@@ -1,0 +1,436 @@
+//! The counts of delivery attempts in shared memory, before and after the worker makes them durable: a fixed number
+//! of slots (`dedup.attempts_max` for ids of at most `SHORT_ID` bytes, a 64th of that, at least 16, for longer ones),
+//! found through an open-addressing index, all behind one spin lock that is held only for a probe and a few stores
+//! (no I/O and no call into PostgreSQL while it is held).
+//!
+//! A slot is *dirty* while its count differs from what the worker last wrote (`flushed`); only a clean slot may be
+//! taken for another id, so no count waits for the worker in a slot that could be lost to someone else. Every
+//! eviction bumps `evictions`: a caller that read an id's durable count before taking the lock knows, by it, whether
+//! that count may have gone stale meanwhile (the id's slot flushed and evicted in between).
+//!
+//! The memory is zeroed when PostgreSQL creates it (start, and re-initialisation after a crash): all zero is an
+//! empty store. Everything after a crash starts again from what the worker had written.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+/// Ids up to this many bytes take a short slot; longer ones (up to 2048, the limit of an id) a long one.
+pub const SHORT_ID: usize = 128;
+const LONG_ID: usize = crate::input::MAX_ID_BYTES;
+/// An index cell that no slot ever used.
+const EMPTY: u32 = 0;
+/// An index cell whose slot was freed: a probe goes on past it, an insert may take it.
+const FREED: u32 = u32::MAX;
+
+/// What a slot holds, beside its id's bytes.
+#[repr(C)]
+struct Head {
+    used: bool,
+    /// The inbox's key (database and table, `shmem::namespace`).
+    ns: u64,
+    hash: u64,
+    count: u32,
+    /// What the worker last wrote of `count` (a slot is clean when they are equal).
+    flushed: u32,
+    first: i64,
+    last: i64,
+    /// When the count lapses: the inbox's default TTL after the last attempt.
+    expires: i64,
+    id_len: u32,
+}
+
+/// One id's count as the store holds it, copied out.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Count {
+    pub ns: u64,
+    pub id: String,
+    pub count: u32,
+    pub first: i64,
+    pub last: i64,
+    pub expires: i64,
+}
+
+/// An id's count as the durable table holds it (what `bump` starts from when the store has no slot for the id).
+#[derive(Clone, Copy)]
+pub struct Durable {
+    pub count: u32,
+    pub first: i64,
+}
+
+/// The store has no clean slot left for another id: counts wait for the worker in all of them.
+#[derive(Debug)]
+pub struct Full;
+
+#[repr(C)]
+struct StoreHeader {
+    lock: AtomicBool,
+    evictions: AtomicU64,
+    short: u32,
+    long: u32,
+    index_len: u32,
+    /// Index cells that are not EMPTY (used or FREED): past three quarters, the index is built again.
+    filled: u32,
+    /// Where the next search for a slot to take starts, among the short slots and among the long ones (a clock).
+    hands: [u32; 2],
+}
+
+/// The store in shared memory.
+pub struct Store {
+    base: *mut u8,
+}
+
+// SAFETY: the store's memory is shared by every process of the server; within a process it is only reached through
+// `&Store` and the lock (Postgres backends run one thread).
+unsafe impl Sync for Store {}
+
+fn stride(id_bytes: usize) -> usize {
+    (std::mem::size_of::<Head>() + id_bytes).next_multiple_of(8)
+}
+
+/// The slots for `max` short ids and their index, and the long ones.
+fn shape(max: usize) -> (usize, usize, usize) {
+    let long = (max / 64).max(16);
+    let index_len = ((max + long) * 2).next_power_of_two();
+    (max, long, index_len)
+}
+
+/// Bytes of a store of `max` short slots (and its long ones).
+pub fn size(max: usize) -> usize {
+    let (short, long, index_len) = shape(max);
+    std::mem::size_of::<StoreHeader>().next_multiple_of(8)
+        + (index_len * 4).next_multiple_of(8)
+        + short * stride(SHORT_ID)
+        + long * stride(LONG_ID)
+}
+
+/// The id's hash in the index (never 0, so a zeroed slot is never mistaken for one).
+fn hash(ns: u64, id: &[u8]) -> u64 {
+    pg_dedup_bloom::hash_key(ns, id) | 1
+}
+
+/// Holds the store's lock until dropped.
+struct Locked<'a>(&'a Store);
+
+impl Drop for Locked<'_> {
+    fn drop(&mut self) {
+        self.0.header().lock.store(false, Ordering::Release);
+    }
+}
+
+impl Store {
+    /// The store at `base`, `bytes` long, laid out for `max` short slots when its memory is still zero.
+    ///
+    /// # Safety
+    /// `base` must point to `bytes` (at least `size(max)`) bytes of shared memory, 8-aligned, zeroed when created and
+    /// used only through stores made with the same `max`, for the life of the server.
+    pub unsafe fn at(base: *mut u8, max: usize) -> Store {
+        let store = Store { base };
+        let header = base as *mut StoreHeader;
+        // SAFETY: the caller vouches for the memory; the sizes are written before any process uses the store (the
+        // postmaster makes it, under AddinShmemInitLock), and are the same for every process.
+        unsafe {
+            if (*header).index_len == 0 {
+                let (short, long, index_len) = shape(max);
+                (*header).short = short as u32;
+                (*header).long = long as u32;
+                (*header).index_len = index_len as u32;
+            }
+        }
+        store
+    }
+
+    fn header(&self) -> &StoreHeader {
+        // SAFETY: the store starts with its header (`at`).
+        unsafe { &*(self.base as *const StoreHeader) }
+    }
+
+    fn lock(&self) -> Locked<'_> {
+        let lock = &self.header().lock;
+        while lock.compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed).is_err() {
+            std::hint::spin_loop();
+            std::thread::yield_now();
+        }
+        Locked(self)
+    }
+
+    fn index(&self, _: &Locked) -> &mut [u32] {
+        let h = self.header();
+        // SAFETY: the index follows the header; the lock is held, so no one else reads or writes it.
+        unsafe {
+            let at = self.base.add(std::mem::size_of::<StoreHeader>().next_multiple_of(8)) as *mut u32;
+            std::slice::from_raw_parts_mut(at, h.index_len as usize)
+        }
+    }
+
+    fn slots(&self) -> usize {
+        (self.header().short + self.header().long) as usize
+    }
+
+    /// Slot `n`'s head and id bytes (short slots first, then long ones).
+    fn slot(&self, _: &Locked, n: usize) -> (&mut Head, &mut [u8]) {
+        let h = self.header();
+        let short = h.short as usize;
+        let (offset, capacity) = {
+            let start =
+                std::mem::size_of::<StoreHeader>().next_multiple_of(8) + (h.index_len as usize * 4).next_multiple_of(8);
+            if n < short {
+                (start + n * stride(SHORT_ID), SHORT_ID)
+            } else {
+                (start + short * stride(SHORT_ID) + (n - short) * stride(LONG_ID), LONG_ID)
+            }
+        };
+        // SAFETY: slot `n` lies inside the store (`size`); the lock is held.
+        unsafe {
+            let head = &mut *(self.base.add(offset) as *mut Head);
+            let id = std::slice::from_raw_parts_mut(self.base.add(offset + std::mem::size_of::<Head>()), capacity);
+            (head, id)
+        }
+    }
+
+    fn matches(&self, locked: &Locked, n: usize, ns: u64, hash: u64, id: &[u8]) -> bool {
+        let (head, bytes) = self.slot(locked, n);
+        head.used && head.ns == ns && head.hash == hash && &bytes[..head.id_len as usize] == id
+    }
+
+    /// The index cell and slot of `id`, if it has one.
+    fn find(&self, locked: &Locked, ns: u64, hash: u64, id: &[u8]) -> Option<(usize, usize)> {
+        let len = self.header().index_len as usize;
+        let index = self.index(locked);
+        let start = hash as usize & (len - 1);
+        for probe in 0..len {
+            let cell = (start + probe) & (len - 1);
+            match index[cell] {
+                EMPTY => return None,
+                FREED => {}
+                n if self.matches(locked, n as usize - 1, ns, hash, id) => return Some((cell, n as usize - 1)),
+                _ => {}
+            }
+        }
+        None
+    }
+
+    /// Frees slot `n` (found at index cell `cell`).
+    fn free(&self, locked: &Locked, cell: usize, n: usize) {
+        self.index(locked)[cell] = FREED;
+        self.slot(locked, n).0.used = false;
+    }
+
+    /// Counts one more attempt of `id` if the store holds its count, and returns the new count. An expired count
+    /// starts again at 1.
+    pub fn bump_held(&self, ns: u64, id: &str, now: i64, expires: i64) -> Option<u32> {
+        let locked = self.lock();
+        let (_, n) = self.find(&locked, ns, hash(ns, id.as_bytes()), id.as_bytes())?;
+        let (head, _) = self.slot(&locked, n);
+        if head.expires <= now {
+            head.count = 0;
+            head.first = now;
+        }
+        head.count += 1;
+        head.last = now;
+        head.expires = expires;
+        Some(head.count)
+    }
+
+    /// How many slots were freed for other ids so far: read before the durable count, compared by `bump_new`.
+    pub fn evictions(&self) -> u64 {
+        self.header().evictions.load(Ordering::Acquire)
+    }
+
+    /// Counts one more attempt of `id`, starting from `durable` (its count in the durable table, read after
+    /// `evictions()` returned `seen`). Ok(None) when that reading may be stale (a slot was freed since: read again);
+    /// Err(Full) when there is no slot to take.
+    pub fn bump_new(
+        &self,
+        ns: u64,
+        id: &str,
+        now: i64,
+        expires: i64,
+        durable: Option<Durable>,
+        seen: u64,
+    ) -> Result<Option<u32>, Full> {
+        let bytes = id.as_bytes();
+        let hash = hash(ns, bytes);
+        let locked = self.lock();
+        if self.find(&locked, ns, hash, bytes).is_some() {
+            // Another process made the slot meanwhile: its count is the one that counts.
+            drop(locked);
+            return Ok(self.bump_held(ns, id, now, expires));
+        }
+        if self.evictions() != seen {
+            return Ok(None);
+        }
+        let n = self.take_slot(&locked, bytes.len()).ok_or(Full)?;
+        let (head, slot_id) = self.slot(&locked, n);
+        let durable = durable.unwrap_or(Durable { count: 0, first: now });
+        *head = Head {
+            used: true,
+            ns,
+            hash,
+            count: durable.count + 1,
+            flushed: durable.count,
+            first: durable.first,
+            last: now,
+            expires,
+            id_len: bytes.len() as u32,
+        };
+        slot_id[..bytes.len()].copy_from_slice(bytes);
+        self.link(&locked, hash, n);
+        Ok(Some(durable.count + 1))
+    }
+
+    /// Puts slot `n` into the index; builds the index again first if too few cells are EMPTY (a probe for an id
+    /// the store does not hold stops only at one).
+    fn link(&self, locked: &Locked, hash: u64, n: usize) {
+        let len = self.header().index_len as usize;
+        if self.header().filled as usize >= len / 4 * 3 {
+            self.rebuild_index(locked);
+        }
+        let index = self.index(locked);
+        let start = hash as usize & (len - 1);
+        for probe in 0..len {
+            let cell = (start + probe) & (len - 1);
+            if index[cell] == EMPTY || index[cell] == FREED {
+                if index[cell] == EMPTY {
+                    self.header_mut(locked).filled += 1;
+                }
+                index[cell] = n as u32 + 1;
+                return;
+            }
+        }
+        unreachable!("the index has twice as many cells as there are slots");
+    }
+
+    fn header_mut(&self, _: &Locked) -> &mut StoreHeader {
+        // SAFETY: the store starts with its header; the lock is held.
+        unsafe { &mut *(self.base as *mut StoreHeader) }
+    }
+
+    /// The index anew, from the used slots.
+    fn rebuild_index(&self, locked: &Locked) {
+        self.index(locked).fill(EMPTY);
+        self.header_mut(locked).filled = 0;
+        for n in 0..self.slots() {
+            let (head, _) = self.slot(locked, n);
+            if head.used {
+                let hash = head.hash;
+                let len = self.header().index_len as usize;
+                let index = self.index(locked);
+                let start = hash as usize & (len - 1);
+                let cell = (0..len).map(|p| (start + p) & (len - 1)).find(|c| index[*c] == EMPTY).expect("room");
+                index[cell] = n as u32 + 1;
+                self.header_mut(locked).filled += 1;
+            }
+        }
+    }
+
+    /// A slot for an id of `len` bytes: a free one, else a clean one, whose id is then forgotten here (its count is
+    /// in the durable table). The search goes round the slots from where the last one stopped.
+    fn take_slot(&self, locked: &Locked, len: usize) -> Option<usize> {
+        let short = self.header().short as usize;
+        let (which, first, count) = if len <= SHORT_ID { (0, 0, short) } else { (1, short, self.slots() - short) };
+        let hand = self.header().hands[which] as usize;
+        let n = (0..count).map(|i| first + (hand + i) % count).find(|&n| {
+            let (head, _) = self.slot(locked, n);
+            !head.used || head.count == head.flushed
+        })?;
+        self.header_mut(locked).hands[which] = ((n - first + 1) % count) as u32;
+        let (head, bytes) = self.slot(locked, n);
+        if head.used {
+            let (ns, hash, id) = (head.ns, head.hash, bytes[..head.id_len as usize].to_vec());
+            let (cell, _) = self.find(locked, ns, hash, &id).expect("a used slot is in the index");
+            self.free(locked, cell, n);
+            self.header().evictions.fetch_add(1, Ordering::AcqRel);
+        }
+        Some(n)
+    }
+
+    /// The counts of database `db` (its inboxes' keys are `ns`es of it, `shmem::database_of`): all of them, or only
+    /// the dirty ones.
+    pub fn counts(&self, db: pgrx::pg_sys::Oid, dirty_only: bool) -> Vec<Count> {
+        let locked = self.lock();
+        (0..self.slots())
+            .filter_map(|n| {
+                let (head, bytes) = self.slot(&locked, n);
+                let wanted = head.used
+                    && crate::shmem::database_of(head.ns) == db
+                    && (!dirty_only || head.count != head.flushed);
+                wanted.then(|| Count {
+                    ns: head.ns,
+                    id: String::from_utf8_lossy(&bytes[..head.id_len as usize]).into_owned(),
+                    count: head.count,
+                    first: head.first,
+                    last: head.last,
+                    expires: head.expires,
+                })
+            })
+            .collect()
+    }
+
+    /// The worker wrote `written`: each slot that still counts what was written is clean.
+    pub fn written(&self, written: &[Count]) {
+        let locked = self.lock();
+        for w in written {
+            let bytes = w.id.as_bytes();
+            if let Some((_, n)) = self.find(&locked, w.ns, hash(w.ns, bytes), bytes) {
+                let (head, _) = self.slot(&locked, n);
+                if head.count == w.count && head.first == w.first {
+                    head.flushed = w.count;
+                }
+            }
+        }
+    }
+
+    /// Sets `id`'s count to zero (`forget()`, at its commit): a dirty slot the worker deletes the durable row for.
+    /// Err(Full) when the id has no slot and none can be taken; the caller deletes the row itself then.
+    pub fn reset(&self, ns: u64, id: &str, now: i64) -> Result<(), Full> {
+        let bytes = id.as_bytes();
+        let hash = hash(ns, bytes);
+        let locked = self.lock();
+        let n = match self.find(&locked, ns, hash, bytes) {
+            Some((_, n)) => n,
+            None => {
+                let n = self.take_slot(&locked, bytes.len()).ok_or(Full)?;
+                let (head, slot_id) = self.slot(&locked, n);
+                *head = Head {
+                    used: true,
+                    ns,
+                    hash,
+                    count: 0,
+                    flushed: u32::MAX,
+                    first: now,
+                    last: now,
+                    expires: now,
+                    id_len: bytes.len() as u32,
+                };
+                slot_id[..bytes.len()].copy_from_slice(bytes);
+                self.link(&locked, hash, n);
+                return Ok(());
+            }
+        };
+        let (head, _) = self.slot(&locked, n);
+        // Dirty whatever the worker wrote last (a count of zero is written as a delete).
+        head.flushed = u32::MAX;
+        head.count = 0;
+        head.first = now;
+        head.expires = now;
+        Ok(())
+    }
+
+    /// Frees the slots of database `db` that are clean and expired, or whose inbox is one of `gone`.
+    pub fn sweep(&self, db: pgrx::pg_sys::Oid, now: i64, gone: &[u64]) {
+        let locked = self.lock();
+        for n in 0..self.slots() {
+            let (head, bytes) = self.slot(&locked, n);
+            if !head.used || crate::shmem::database_of(head.ns) != db {
+                continue;
+            }
+            let expired_clean = head.count == head.flushed && head.expires <= now;
+            if expired_clean || gone.contains(&head.ns) {
+                let (ns, hash, id) = (head.ns, head.hash, bytes[..head.id_len as usize].to_vec());
+                if let Some((cell, _)) = self.find(&locked, ns, hash, &id) {
+                    self.free(&locked, cell, n);
+                    self.header().evictions.fetch_add(1, Ordering::AcqRel);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,235 @@
+//! Delivery attempts (`attempt()`) against real servers: counts that survive rollbacks, errors, savepoints, a client
+//! killed mid-transaction and a clean restart; that a crash can only make lower, never higher; handed out 1..N
+//! exactly by eight racing sessions; reset by forget() (when it commits), by their window passing, and purged; the
+//! privileges of the view; a standby; a full store.
+
+use pg_dedup_harness::postgres::Client;
+use pg_dedup_tests::*;
+use std::collections::BTreeSet;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+/// The databases of this file's tests, each served by a worker of the shared server.
+const DATABASES: &str = "att_rollback, att_client, att_race, att_ttl, att_forget, att_rights";
+
+/// A preloaded server whose workers serve this file's databases, making counts durable every 100 ms.
+fn server() -> &'static Cluster {
+    static SERVER: OnceLock<Cluster> = OnceLock::new();
+    SERVER
+        .get_or_init(|| preloaded(DATABASES, &["dedup.attempts_flush_interval = '100ms'", "dedup.purge_interval = 1"]))
+}
+
+fn wait_for_worker(c: &mut Client) {
+    eventually("the database's worker runs", || {
+        c.query_one("SELECT worker_pid IS NOT NULL FROM dedup.stats LIMIT 1", &[]).unwrap().get::<_, bool>(0)
+    });
+}
+
+fn attempt(c: &mut Client, id: &str) -> i32 {
+    c.query_one("SELECT dedup.attempt($1)", &[&id]).expect("attempt").get(0)
+}
+
+/// The count the worker has made durable (0: none yet).
+fn durable(c: &mut Client, id: &str) -> i32 {
+    c.query_opt("SELECT attempts FROM dedup.attempt_counts WHERE inbox = 'default' AND id = $1", &[&id])
+        .unwrap()
+        .map_or(0, |r| r.get(0))
+}
+
+#[test]
+fn an_attempt_survives_rollback_error_and_savepoint() {
+    let mut c = server().fresh_db("att_rollback");
+    let mut tx = c.transaction().unwrap();
+    assert_eq!(tx.query_one("SELECT dedup.attempt('m1')", &[]).unwrap().get::<_, i32>(0), 1);
+    tx.rollback().unwrap();
+    c.batch_execute("BEGIN").unwrap();
+    assert_eq!(attempt(&mut c, "m1"), 2, "counted although its transaction rolled back");
+    assert!(c.batch_execute("SELECT 1 / 0").is_err());
+    c.batch_execute("ROLLBACK").unwrap();
+    c.batch_execute("BEGIN; SAVEPOINT s").unwrap();
+    assert_eq!(attempt(&mut c, "m1"), 3, "an error rolled the transaction back, not the count");
+    c.batch_execute("ROLLBACK TO SAVEPOINT s; COMMIT").unwrap();
+    assert_eq!(attempt(&mut c, "m1"), 4, "a savepoint rolled back does not undo it either");
+    // Marks and claims of the id leave its count alone; another id, or another inbox, counts apart.
+    c.batch_execute("SELECT dedup.mark('m1'); SELECT * FROM dedup.claim('m1'); SELECT dedup.create_inbox('other')")
+        .unwrap();
+    assert_eq!(attempt(&mut c, "m1"), 5);
+    assert_eq!(attempt(&mut c, "m2"), 1);
+    let other: i32 = c.query_one("SELECT dedup.attempt('m1', 'other')", &[]).unwrap().get(0);
+    assert_eq!(other, 1);
+    eventually("the worker makes the counts durable", || durable(&mut c, "m1") == 5);
+    let shown: i32 =
+        c.query_one("SELECT attempts FROM dedup.attempts WHERE id = 'm1' AND inbox = 'default'", &[]).unwrap().get(0);
+    assert_eq!(shown, 5);
+    let counted: i64 = c.query_one("SELECT attempts FROM dedup.stats WHERE inbox = 'default'", &[]).unwrap().get(0);
+    assert_eq!(counted, 6, "dedup.stats counts the calls");
+}
+
+#[test]
+fn a_client_killed_in_its_transaction_leaves_its_attempt_counted() {
+    let cluster = server();
+    let mut c = cluster.fresh_db("att_client");
+    let psql = cluster.bindir().join("psql");
+    let mut client = std::process::Command::new(psql)
+        .args(["-X", "-q", "-d", &cluster.conn_string("att_client", "postgres")])
+        .args(["-c", "BEGIN", "-c", "SELECT dedup.attempt('poison')", "-c", "SELECT pg_sleep(600)"])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    eventually("the client's transaction is in pg_sleep", || {
+        c.query_one(
+            "SELECT count(*) FROM pg_stat_activity WHERE query LIKE '%pg_sleep(600)%' AND pid <> pg_backend_pid()",
+            &[],
+        )
+        .unwrap()
+        .get::<_, i64>(0)
+            == 1
+    });
+    // SAFETY: sends SIGKILL to the child process we spawned.
+    unsafe { libc::kill(client.id() as i32, libc::SIGKILL) };
+    client.wait().unwrap();
+    assert_eq!(attempt(&mut c, "poison"), 2);
+}
+
+#[test]
+fn eight_sessions_racing_on_one_id_get_1_to_n_exactly() {
+    let cluster = server();
+    cluster.fresh_db("att_race");
+    const EACH: usize = 100;
+    let got: Vec<i32> = std::thread::scope(|s| {
+        let sessions: Vec<_> = (0..8)
+            .map(|_| {
+                s.spawn(move || {
+                    let mut c = cluster.connect("att_race");
+                    (0..EACH).map(|_| attempt(&mut c, "hot")).collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        sessions.into_iter().flat_map(|h| h.join().unwrap()).collect()
+    });
+    let distinct: BTreeSet<i32> = got.iter().copied().collect();
+    assert_eq!(distinct.len(), got.len(), "no number handed out twice");
+    assert_eq!(distinct, (1..=8 * EACH as i32).collect::<BTreeSet<_>>(), "none skipped");
+}
+
+#[test]
+fn a_count_lapses_after_the_inboxs_ttl_and_is_purged() {
+    let mut c = server().fresh_db("att_ttl");
+    c.batch_execute("SELECT dedup.create_inbox('short', '1 second')").unwrap();
+    let in_short = |c: &mut Client| -> i32 { c.query_one("SELECT dedup.attempt('x', 'short')", &[]).unwrap().get(0) };
+    assert_eq!(in_short(&mut c), 1);
+    assert_eq!(in_short(&mut c), 2);
+    std::thread::sleep(Duration::from_millis(1100));
+    assert_eq!(in_short(&mut c), 1, "its window passed: counted afresh");
+    std::thread::sleep(Duration::from_millis(1100));
+    eventually("the worker purges the lapsed count", || {
+        c.query_one("SELECT count(*) FROM dedup.attempt_counts WHERE inbox = 'short'", &[]).unwrap().get::<_, i64>(0)
+            == 0
+    });
+}
+
+#[test]
+fn forget_resets_a_count_when_it_commits() {
+    let mut c = server().fresh_db("att_forget");
+    for _ in 0..3 {
+        attempt(&mut c, "f");
+    }
+    eventually("durable", || durable(&mut c, "f") == 3);
+    c.batch_execute("BEGIN; SELECT dedup.forget('f'); ROLLBACK").unwrap();
+    assert_eq!(attempt(&mut c, "f"), 4, "a forget that rolled back reset nothing");
+    c.batch_execute("SELECT dedup.forget('f')").unwrap();
+    assert_eq!(attempt(&mut c, "f"), 1, "forgotten: the next attempt is the first");
+    eventually("the durable count follows", || durable(&mut c, "f") == 1);
+}
+
+#[test]
+fn attempts_need_write_rights_and_the_view_shows_readable_inboxes_only() {
+    let cluster = server();
+    let mut admin = cluster.fresh_db("att_rights");
+    admin
+        .batch_execute(
+            "DROP ROLE IF EXISTS att_app; CREATE ROLE att_app LOGIN;
+             SELECT dedup.create_inbox('mine'); SELECT dedup.create_inbox('theirs');
+             GRANT USAGE ON SCHEMA dedup TO att_app; GRANT SELECT ON dedup.inbox_registry, dedup.attempts TO att_app;
+             GRANT EXECUTE ON FUNCTION dedup.attempt(text, text) TO att_app;
+             GRANT SELECT, INSERT, UPDATE ON dedup.inbox_mine TO att_app;
+             SELECT dedup.attempt('t', 'theirs');",
+        )
+        .unwrap();
+    let mut app = cluster.connect_as("att_rights", "att_app");
+    assert_eq!(app.query_one("SELECT dedup.attempt('m', 'mine')", &[]).unwrap().get::<_, i32>(0), 1);
+    assert_dedup_error(app.query_one("SELECT dedup.attempt('t', 'theirs')", &[]), "42501");
+    eventually("durable", || {
+        admin.query_one("SELECT count(*) FROM dedup.attempt_counts", &[]).unwrap().get::<_, i64>(0) == 2
+    });
+    let seen: Vec<String> =
+        app.query("SELECT inbox || '/' || id FROM dedup.attempts", &[]).unwrap().iter().map(|r| r.get(0)).collect();
+    assert_eq!(seen, ["mine/m"], "only the inbox the role may read");
+    let err = app.query("SELECT * FROM dedup.attempt_counts", &[]).unwrap_err();
+    assert_eq!(sqlstate(&err), "42501", "the table itself is the extension owner's");
+    admin.batch_execute("DROP OWNED BY att_app; DROP ROLE att_app").unwrap();
+}
+
+#[test]
+fn counts_survive_a_clean_restart_and_a_crash_makes_them_lower_never_higher() {
+    // A server of its own: it restarts and crashes.
+    let cluster = preloaded("att_restart", &["dedup.attempts_flush_interval = '100ms'"]);
+    let mut c = cluster.fresh_db("att_restart");
+    // The worker starts within a second of the database: counts made before it runs wait in shared memory, and a
+    // shutdown in that second would lose them (docs/poison-messages.md).
+    wait_for_worker(&mut c);
+    for _ in 0..7 {
+        attempt(&mut c, "r");
+    }
+    drop(c);
+    // A clean restart: the worker makes the counts durable before it stops, whenever it last did.
+    cluster.restart();
+    let mut c = cluster.connect("att_restart");
+    assert_eq!(attempt(&mut c, "r"), 8, "every attempt before the restart counted");
+    wait_for_worker(&mut c);
+    // A crash: what the worker wrote stays; what came after its last write may be lost, never added to.
+    eventually("durable", || durable(&mut c, "r") == 8);
+    let burst = 50;
+    for _ in 0..burst {
+        attempt(&mut c, "r");
+    }
+    drop(c);
+    let started = Instant::now();
+    cluster.crash_postmaster();
+    let mut c = cluster.connect("att_restart");
+    let after = attempt(&mut c, "r");
+    assert!(after <= 8 + burst + 1, "never higher than the true count: {after}");
+    assert!(after >= 9, "what was durable before the burst stays: {after}");
+    eprintln!(
+        "after a crash {:?} after the burst: next attempt {after} (true count {})",
+        started.elapsed(),
+        8 + burst + 1
+    );
+    cluster.destroy();
+}
+
+#[test]
+fn a_standby_refuses_attempts() {
+    let primary = preloaded("att_standby", &[]);
+    primary.fresh_db("att_standby");
+    let standby = primary.standby();
+    let mut s = standby.connect("att_standby");
+    eventually("the standby replays the database", || s.query_one("SELECT 1", &[]).is_ok());
+    assert_dedup_error(s.query_one("SELECT dedup.attempt('x')", &[]), "25006");
+    standby.destroy();
+    primary.destroy();
+}
+
+#[test]
+fn a_full_store_refuses_an_attempt_instead_of_losing_a_count() {
+    // 16 slots of each size, and a worker that writes once an hour: the 17th id has nowhere to go.
+    let cluster = preloaded("att_full", &["dedup.attempts_max = 16", "dedup.attempts_flush_interval = '1h'"]);
+    let mut c = cluster.fresh_db("att_full");
+    for i in 0..16 {
+        assert_eq!(attempt(&mut c, &format!("id-{i}")), 1);
+    }
+    let err = c.query_one("SELECT dedup.attempt('one-too-many')", &[]);
+    assert_dedup_error(err, "53400");
+    assert_eq!(attempt(&mut c, "id-3"), 2, "the ids it holds count on");
+    cluster.destroy();
+}
