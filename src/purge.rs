@@ -65,10 +65,13 @@ pub fn purge_inbox(inbox: &Inbox, limit: Option<i64>) -> i64 {
     deleted
 }
 
+/// Deletes up to a number of rows of an inbox that expired before a time; returns how many.
+type PurgeBatch = fn(&Inbox, TimestampWithTimeZone, i64) -> i64;
+
 /// What an inbox keeps apart from its table, and how to delete a batch of what expired of it before `now`: the
 /// positions of `advance()` and the counts of `attempt()`, each in a table of the extension owner's (whose rights
 /// they take to delete).
-const KEPT_APART: [(&str, fn(&Inbox, TimestampWithTimeZone, i64) -> i64); 2] =
+const KEPT_APART: [(&str, PurgeBatch); 2] =
     [("positions", positions::purge_batch), ("counts of attempts", attempts::purge_batch)];
 
 /// Runs `batch(want)` until it deletes fewer than asked or `limit` is reached; returns the total.

@@ -276,31 +276,27 @@ fn write_changed() -> Vec<store::Count> {
     let changed = store.counts(db, true);
     let mut gone = Vec::new();
     let mut written = Vec::new();
-    let mut columns: (
-        Vec<String>,
-        Vec<String>,
-        Vec<i32>,
-        Vec<TimestampWithTimeZone>,
-        Vec<TimestampWithTimeZone>,
-        Vec<TimestampWithTimeZone>,
-    ) = Default::default();
+    let mut inboxes = Vec::new();
     for count in changed {
-        let Some(inbox) = catalog::inbox_name_of(shmem::relation_of(count.ns)) else {
-            gone.push(count.ns);
-            continue;
-        };
-        let at = |t: i64| TimestampWithTimeZone::try_from(t).expect("a timestamp the store kept");
-        columns.0.push(inbox);
-        columns.1.push(count.id.clone());
-        columns.2.push(count.count as i32);
-        columns.3.push(at(count.first));
-        columns.4.push(at(count.last));
-        columns.5.push(at(count.expires));
-        written.push(count);
+        match catalog::inbox_name_of(shmem::relation_of(count.ns)) {
+            Some(inbox) => {
+                inboxes.push(inbox);
+                written.push(count);
+            }
+            None => gone.push(count.ns),
+        }
     }
     if !written.is_empty() {
-        let (inboxes, ids, counts, firsts, lasts, expires) = columns;
-        let args = [inboxes.into(), ids.into(), counts.into(), firsts.into(), lasts.into(), expires.into()];
+        let at = |t: i64| TimestampWithTimeZone::try_from(t).expect("a timestamp the store kept");
+        let column = |f: fn(&store::Count) -> i64| written.iter().map(|c| at(f(c))).collect::<Vec<_>>();
+        let args = [
+            inboxes.into(),
+            written.iter().map(|c| c.id.clone()).collect::<Vec<_>>().into(),
+            written.iter().map(|c| c.count as i32).collect::<Vec<_>>().into(),
+            column(|c| c.first).into(),
+            column(|c| c.last).into(),
+            column(|c| c.expires).into(),
+        ];
         run(Stmt::Write, &args);
     }
     if !gone.is_empty() {

@@ -152,6 +152,9 @@ impl Store {
         Locked(self)
     }
 
+    // The lock (held, as the `Locked` passed in proves) makes the access exclusive; each caller keeps the
+    // reference only while it works on that part of the store, never two of the same part at once.
+    #[allow(clippy::mut_from_ref)]
     fn index(&self, _: &Locked) -> &mut [u32] {
         let h = self.header();
         // SAFETY: the index follows the header; the lock is held, so no one else reads or writes it.
@@ -166,6 +169,9 @@ impl Store {
     }
 
     /// Slot `n`'s head and id bytes (short slots first, then long ones).
+    // The lock (held, as the `Locked` passed in proves) makes the access exclusive; each caller keeps the
+    // reference only while it works on that part of the store, never two of the same part at once.
+    #[allow(clippy::mut_from_ref)]
     fn slot(&self, _: &Locked, n: usize) -> (&mut Head, &mut [u8]) {
         let h = self.header();
         let short = h.short as usize;
@@ -299,6 +305,9 @@ impl Store {
         unreachable!("the index has twice as many cells as there are slots");
     }
 
+    // The lock (held, as the `Locked` passed in proves) makes the access exclusive; each caller keeps the
+    // reference only while it works on that part of the store, never two of the same part at once.
+    #[allow(clippy::mut_from_ref)]
     fn header_mut(&self, _: &Locked) -> &mut StoreHeader {
         // SAFETY: the store starts with its header; the lock is held.
         unsafe { &mut *(self.base as *mut StoreHeader) }
