@@ -1,0 +1,176 @@
+//! Issue 25: the demo's Kafka mode (`make demo DEMO_ARGS=--kafka`, `replay::kafka`) at a small size, on both roads,
+//! one record per transaction and in batches: 300 payment events, about 20% published twice, through a throwaway
+//! Tansu broker to a group of four member processes (tests/bin/kafka_member.rs) that SIGKILL themselves at the
+//! four crash points in turn, so the group rebalances and re-reads what was not finished. Afterwards:
+//!
+//! - road `ids` (mark(), offset committed after COMMIT): the ledger is the exactly-once one, one mark per event,
+//!   and the group's committed offsets, as the broker has them, are at the end of every partition;
+//! - road `offsets` (advance() of the partition's offset, no offset commits): the ledger holds every *record*
+//!   once: the producer's retries are records of their own, which this road applies (docs/kafka.md), so the
+//!   ledger exceeds the exactly-once one by exactly their amounts; the stored positions are at the end.
+//!
+//! Each run has a new seed (printed; `KAFKA_SEED=<seed>` replays its events, stream and crash chances). When
+//! scripts/setup.sh did not install Tansu every test says so and passes, unless PG_DEDUP_REQUIRE_KAFKA=1 (CI).
+//! The last test runs examples/kafka_consumer (Python, confluent-kafka) on both roads, killed once mid-stream.
+
+use pg_dedup_harness::kafka::{self, Tansu};
+use pg_dedup_harness::replay::kafka::{Program, Road, Run, Traffic, PARTITIONS};
+use pg_dedup_harness::replay::{self, Rng, Tally};
+use pg_dedup_tests::*;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+
+const EVENTS: usize = 300;
+const MEMBERS: usize = 4;
+const DUPLICATE_RATE: f64 = 0.2;
+/// Deaths per transaction: about seven per run either way (each costs the group a rebalance, about 2 s).
+const CRASH_RATE: f64 = 0.02;
+const CRASH_RATE_BATCHED: f64 = 0.2;
+const BATCH: usize = 10;
+
+static CLUSTER: OnceLock<Cluster> = OnceLock::new();
+
+extern "C" fn destroy_cluster() {
+    if let Some(cluster) = CLUSTER.get() {
+        cluster.destroy();
+    }
+}
+
+/// The server shared by this binary's tests (each takes its own database), with the filter answering as in the
+/// demo.
+fn cluster() -> &'static Cluster {
+    CLUSTER.get_or_init(|| {
+        // SAFETY: registering a plain extern "C" function with no captured state.
+        unsafe { libc::atexit(destroy_cluster) };
+        preloaded("postgres", &[])
+    })
+}
+
+/// A broker of its own for each test, or None (the test skips) when Tansu is not installed.
+fn broker() -> Option<Tansu> {
+    if !kafka::available() {
+        let why = format!("{} is missing; scripts/setup.sh installs it", kafka::binary().display());
+        // CI sets it: there a missing broker fails, not skips.
+        let required = std::env::var("PG_DEDUP_REQUIRE_KAFKA").is_ok_and(|v| v == "1");
+        assert!(!required, "{why}");
+        eprintln!("SKIPPED (tests/kafka.rs): {why}");
+        return None;
+    }
+    Some(Tansu::start())
+}
+
+fn seed() -> u64 {
+    std::env::var("KAFKA_SEED").map_or_else(|_| Rng::new().u64(..), |s| s.parse().expect("KAFKA_SEED is a u64"))
+}
+
+/// Fails with the seed to replay when dropped by a panic.
+struct NameSeedOnFailure(u64);
+
+impl Drop for NameSeedOnFailure {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("the Kafka replay failed with seed {0}: replay it with KAFKA_SEED={0}", self.0);
+        }
+    }
+}
+
+fn replay_through_kafka(road: Road, batch: usize, crash_rate: f64) {
+    let Some(tansu) = broker() else { return };
+    let name = format!("kafka_{}_{batch}", road.name());
+    let mut admin = cluster().fresh_db(&name);
+    replay::prepare(&mut admin).unwrap();
+    let seed = seed();
+    let _name = NameSeedOnFailure(seed);
+    let mut rng = Rng::with_seed(seed);
+    let events = replay::events(&name, EVENTS, &mut rng);
+    let stream = replay::publish(&events, DUPLICATE_RATE, &mut rng);
+    let (traffic, tally) = (Traffic::default(), Tally::default());
+    let postgres = format!("{} application_name={name}", cluster().conn_string(&name, "postgres"));
+    let program = Program { path: env!("CARGO_BIN_EXE_kafka_member").into(), args: vec![] };
+    let bootstrap = tansu.bootstrap();
+    let run = Run {
+        road,
+        program: &program,
+        members: MEMBERS,
+        batch,
+        crash_rate,
+        seed,
+        bootstrap: &bootstrap,
+        postgres: &postgres,
+        stream: &stream,
+    };
+    let left = run.run(&traffic, &tally);
+
+    let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    let (applied, duplicates, crashes) = (load(&tally.applied), load(&tally.duplicates), load(&tally.crashes));
+    let deaths = traffic.deaths.each_ref().map(load);
+    let (delivered, reread) = (load(&traffic.delivered), load(&traffic.reread));
+    let counts = format!(
+        "seed {seed}, road {}, batch {batch}: published {}, delivered {delivered}, re-read {reread}, rebalances {}, \
+         refused offset commits {}, applied {applied}, duplicates {duplicates}, {crashes} killed ({deaths:?} at \
+         before mark/after mark/before commit/after commit), left {left}",
+        road.name(),
+        load(&traffic.published),
+        load(&traffic.rebalances),
+        load(&traffic.refused_commits),
+    );
+    assert_eq!(load(&traffic.published), stream.len() as u64, "every record acknowledged; {counts}");
+    assert_eq!(left, 0, "records past what the group finished; {counts}");
+    assert_eq!(deaths.iter().sum::<u64>(), crashes, "each death reported its point; {counts}");
+    assert!(crashes > 0, "no member was killed; {counts}");
+    assert!(load(&traffic.rebalances) > 0, "the group never rebalanced; {counts}");
+    match road {
+        Road::Ids => {
+            let ledger = replay::check_ledger(&mut admin, &events).unwrap();
+            let (total, expected, mismatched) = (ledger.total, ledger.expected_total, &ledger.mismatched);
+            assert!(ledger.ok(), "{counts}\nledger {total} (exactly once: {expected}): {mismatched:?}");
+            assert_eq!(count(&mut admin, "dedup.inbox_payments"), EVENTS as i64, "one mark per event; {counts}");
+            assert_eq!(applied, EVENTS as u64, "each event applied once; {counts}");
+            // Whatever a member died with was not committed, so its partition's next owner read it again.
+            assert!(reread >= crashes, "fewer records re-read than members killed; {counts}");
+            assert!(duplicates >= (stream.len() - EVENTS) as u64, "a producer retry was applied; {counts}");
+        }
+        Road::Offsets => {
+            // Once per record: the retries are records, at offsets of their own.
+            let ledger = replay::check_ledger(&mut admin, &stream).unwrap();
+            let (total, expected, mismatched) = (ledger.total, ledger.expected_total, &ledger.mismatched);
+            assert!(ledger.ok(), "{counts}\nledger {total} (once per record: {expected}): {mismatched:?}");
+            let once_per_event: i64 = events.iter().map(|e| e.amount).sum();
+            let retries: i64 = stream.iter().map(|e| e.amount).sum::<i64>() - once_per_event;
+            assert_eq!(ledger.total - once_per_event, retries, "the ledger is over by the retries' amounts; {counts}");
+            assert_eq!(count(&mut admin, "dedup.positions"), PARTITIONS as i64, "a position per partition; {counts}");
+            assert_eq!(count(&mut admin, "dedup.inbox_payments"), 0, "this road marks nothing; {counts}");
+            assert_eq!(applied, stream.len() as u64, "each record applied once; {counts}");
+            // A member killed after COMMIT had stored its position: the next owner starts after it.
+            assert!(reread >= crashes - deaths[3], "fewer records re-read than members killed before COMMIT; {counts}");
+        }
+    }
+    // Every delivery was finished (applied or dropped) or died with its member.
+    assert!(delivered >= applied + duplicates, "{counts}");
+    // The killed members' sessions leave as soon as their backends read the closed socket.
+    eventually("the members' backends are gone", || {
+        let sql = "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1";
+        admin.query_one(sql, &[&name]).unwrap().get::<_, i64>(0) == 0
+    });
+    println!("{counts}: ledger exact");
+}
+
+#[test]
+fn ids_road_one_record_per_transaction() {
+    replay_through_kafka(Road::Ids, 1, CRASH_RATE);
+}
+
+#[test]
+fn ids_road_in_batches() {
+    replay_through_kafka(Road::Ids, BATCH, CRASH_RATE_BATCHED);
+}
+
+#[test]
+fn offsets_road_one_record_per_transaction() {
+    replay_through_kafka(Road::Offsets, 1, CRASH_RATE);
+}
+
+#[test]
+fn offsets_road_in_batches() {
+    replay_through_kafka(Road::Offsets, BATCH, CRASH_RATE_BATCHED);
+}
