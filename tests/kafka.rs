@@ -14,11 +14,14 @@
 //! The last test runs examples/kafka_consumer (Python, confluent-kafka) on both roads, killed once mid-stream.
 
 use pg_dedup_harness::kafka::{self, Tansu};
-use pg_dedup_harness::replay::kafka::{Program, Road, Run, Traffic, PARTITIONS};
-use pg_dedup_harness::replay::{self, Rng, Tally};
+use pg_dedup_harness::replay::kafka::{create_topic, produce, Program, Road, Run, Traffic, PARTITIONS};
+use pg_dedup_harness::replay::{self, Event, Rng, Tally};
 use pg_dedup_tests::*;
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
+use std::time::Duration;
 
 const EVENTS: usize = 300;
 const MEMBERS: usize = 4;
@@ -173,4 +176,84 @@ fn offsets_road_one_record_per_transaction() {
 #[test]
 fn offsets_road_in_batches() {
     replay_through_kafka(Road::Offsets, BATCH, CRASH_RATE_BATCHED);
+}
+
+/// examples/kafka_consumer (Python, confluent-kafka, psycopg) on one road: half the stream, a SIGKILL while it
+/// applies it, the other half, a new consumer process, then SIGTERM. The ledger must be exact (ids: once per
+/// event; offsets: once per record) and the consumer must leave cleanly when told to.
+fn example_consumer(road: Road) {
+    let python = kafka::install_dir().join("venv/bin/python");
+    if !python.exists() {
+        let why = format!("{} is missing; scripts/setup.sh creates it with confluent-kafka", python.display());
+        assert!(std::env::var("PG_DEDUP_REQUIRE_KAFKA").map_or(true, |v| v != "1"), "{why}");
+        eprintln!("SKIPPED (tests/kafka.rs): {why}");
+        return;
+    }
+    let Some(tansu) = broker() else { return };
+    let name = format!("kafka_example_{}", road.name());
+    let mut admin = cluster().fresh_db(&name);
+    replay::prepare(&mut admin).unwrap();
+    // Slow enough per update that the kill lands while it is applying, not after.
+    admin
+        .batch_execute(
+            "CREATE FUNCTION slow() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_sleep(0.003); RETURN NEW; END $$;
+             CREATE TRIGGER slow BEFORE UPDATE ON accounts FOR EACH ROW EXECUTE FUNCTION slow();",
+        )
+        .unwrap();
+    let seed = seed();
+    let _name = NameSeedOnFailure(seed);
+    let mut rng = Rng::with_seed(seed);
+    let events = replay::events(&name, EVENTS, &mut rng);
+    let stream = replay::publish(&events, DUPLICATE_RATE, &mut rng);
+    let json = |e: &Event| format!(r#"{{"id": "{}", "account": {}, "amount": {}}}"#, e.id, e.account, e.amount);
+    let bootstrap = tansu.bootstrap();
+    create_topic(&bootstrap);
+    let start = || {
+        let mut consumer = Command::new(&python)
+            .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/kafka_consumer/consumer.py"))
+            .args(["--bootstrap", &bootstrap, "--road", road.name(), "--batch", "10", "--session-timeout-ms", "1500"])
+            .env("DATABASE_URL", cluster().conn_string(&name, "postgres"))
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("start examples/kafka_consumer/consumer.py");
+        // Its lines, through a channel: a consumer that never prints must fail the test, not hang it.
+        let (tx, lines) = std::sync::mpsc::channel();
+        let stdout = BufReader::new(consumer.stdout.take().unwrap());
+        std::thread::spawn(move || stdout.lines().map_while(Result::ok).try_for_each(|line| tx.send(line)));
+        (consumer, lines)
+    };
+    let (half, rest) = stream.split_at(stream.len() / 2);
+    produce(&bootstrap, half, json);
+    let (mut first, lines) = start();
+    // Killed after its third transaction, with most of the half still to apply.
+    for _ in 0..3 {
+        let line = lines.recv_timeout(Duration::from_secs(60)).expect("a transaction of the consumer in a minute");
+        assert!(line.starts_with("applied "), "{line}");
+    }
+    first.kill().unwrap();
+    first.wait().unwrap();
+    produce(&bootstrap, rest, json);
+    let (mut second, _lines) = start();
+    let target = match road {
+        Road::Ids => &events,
+        Road::Offsets => &stream,
+    };
+    eventually("the example's ledger is exact", || replay::check_ledger(&mut admin, target).unwrap().ok());
+    // SAFETY: kill has no memory preconditions; the pid is our unreaped child.
+    unsafe { libc::kill(second.id() as i32, libc::SIGTERM) };
+    let status = second.wait().unwrap();
+    assert!(status.success(), "the example did not leave cleanly on SIGTERM: {status}");
+    let marks = count(&mut admin, "dedup.inbox_payments");
+    assert_eq!(marks, if road == Road::Ids { EVENTS as i64 } else { 0 }, "marks of road {}", road.name());
+    println!("examples/kafka_consumer, road {}: seed {seed}, killed once, ledger exact", road.name());
+}
+
+#[test]
+fn example_consumer_ids_road() {
+    example_consumer(Road::Ids);
+}
+
+#[test]
+fn example_consumer_offsets_road() {
+    example_consumer(Road::Offsets);
 }

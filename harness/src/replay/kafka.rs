@@ -190,7 +190,8 @@ impl Run<'_> {
                     s.spawn(move || self.place(place, group, changed, traffic, tally))
                 })
                 .collect();
-            let end = produce(self.bootstrap, self.stream, traffic);
+            let end = produce(self.bootstrap, self.stream, |e| e.to_line(None));
+            traffic.published.store(self.stream.len() as u64, Ordering::Relaxed);
             let mut g = group.lock().unwrap();
             g.end = Some(end);
             while !g.done && !g.all_finished() {
@@ -339,8 +340,8 @@ fn number<T: std::str::FromStr>(field: &str) -> T {
     field.parse().unwrap_or_else(|_| panic!("not a number in a member's line: {field:?}"))
 }
 
-/// Creates the topic (a broker of one: one replica).
-fn create_topic(bootstrap: &str) {
+/// Creates the topic, [`PARTITIONS`] partitions (a broker of one: one replica).
+pub fn create_topic(bootstrap: &str) {
     let admin: AdminClient<DefaultClientContext> =
         ClientConfig::new().set("bootstrap.servers", bootstrap).create().expect("a Kafka admin client");
     let topic = NewTopic::new(TOPIC, PARTITIONS, TopicReplication::Fixed(1));
@@ -379,9 +380,10 @@ impl ProducerContext for Deliveries {
 
 /// The producer: each record keyed by its event id (so a retry lands in the event's partition), acknowledged by
 /// every in-sync replica, with the idempotent producer on (the broker drops the client library's own resends).
-/// The stream's retries are the application's: records of their own, which no producer setting removes. Returns
-/// the end offset of each partition.
-fn produce(bootstrap: &str, stream: &[Event], traffic: &Traffic) -> Vec<i64> {
+/// The stream's retries are the application's: records of their own, which no producer setting removes. Each
+/// record's value is `payload(event)`. Returns once the broker acknowledged every record, with the end offset of
+/// each partition.
+pub fn produce(bootstrap: &str, stream: &[Event], payload: impl Fn(&Event) -> String) -> Vec<i64> {
     let context = Deliveries { end: Mutex::new(vec![0; PARTITIONS as usize]), ..Default::default() };
     let producer: BaseProducer<Deliveries> = ClientConfig::new()
         .set("bootstrap.servers", bootstrap)
@@ -391,7 +393,7 @@ fn produce(bootstrap: &str, stream: &[Event], traffic: &Traffic) -> Vec<i64> {
         .create_with_context(context)
         .expect("a Kafka producer");
     for event in stream {
-        let payload = event.to_line(None);
+        let payload = payload(event);
         let mut record = BaseRecord::to(TOPIC).key(event.id.as_str()).payload(payload.as_str());
         loop {
             match producer.send(record) {
@@ -410,9 +412,7 @@ fn produce(bootstrap: &str, stream: &[Event], traffic: &Traffic) -> Vec<i64> {
     if let Some(e) = context.failed.lock().unwrap().take() {
         panic!("the broker refused a record: {e}");
     }
-    let acknowledged = context.acknowledged.load(Ordering::Relaxed);
-    traffic.published.store(acknowledged, Ordering::Relaxed);
-    assert_eq!(acknowledged, stream.len() as u64, "records acknowledged");
+    assert_eq!(context.acknowledged.load(Ordering::Relaxed), stream.len() as u64, "records acknowledged");
     let end = context.end.lock().unwrap().clone();
     end
 }
