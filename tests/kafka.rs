@@ -121,7 +121,6 @@ fn replay_through_kafka(road: Road, batch: usize, crash_rate: f64) {
     assert_eq!(left, 0, "records past what the group finished; {counts}");
     assert_eq!(deaths.iter().sum::<u64>(), crashes, "each death reported its point; {counts}");
     assert!(crashes > 0, "no member was killed; {counts}");
-    assert!(load(&traffic.rebalances) > 0, "the group never rebalanced; {counts}");
     match road {
         Road::Ids => {
             let ledger = replay::check_ledger(&mut admin, &events).unwrap();
