@@ -49,17 +49,32 @@ fn cluster() -> &'static Cluster {
     })
 }
 
-/// A broker of its own for each test, or None (the test skips) when Tansu is not installed.
-fn broker() -> Option<Tansu> {
-    if !kafka::available() {
-        let why = format!("{} is missing; scripts/setup.sh installs it", kafka::binary().display());
-        // CI sets it: there a missing broker fails, not skips.
+/// Are Tansu and the example's Python (scripts/setup.sh installs both) there? When not, says so once and the
+/// tests skip, unless PG_DEDUP_REQUIRE_KAFKA=1 (CI), where a missing install fails.
+fn installed() -> bool {
+    static INSTALLED: OnceLock<bool> = OnceLock::new();
+    *INSTALLED.get_or_init(|| {
+        let missing: Vec<String> =
+            [kafka::binary(), python()].into_iter().filter(|p| !p.exists()).map(|p| p.display().to_string()).collect();
+        if missing.is_empty() {
+            return true;
+        }
+        let why = format!("{} missing; scripts/setup.sh installs Tansu and confluent-kafka", missing.join(" and "));
         let required = std::env::var("PG_DEDUP_REQUIRE_KAFKA").is_ok_and(|v| v == "1");
         assert!(!required, "{why}");
         eprintln!("SKIPPED (tests/kafka.rs): {why}");
-        return None;
-    }
-    Some(Tansu::start())
+        false
+    })
+}
+
+/// The Python that runs examples/kafka_consumer: a virtual environment with confluent-kafka.
+fn python() -> std::path::PathBuf {
+    kafka::install_dir().join("venv/bin/python")
+}
+
+/// A broker of its own for each test, or None (the test skips).
+fn broker() -> Option<Tansu> {
+    installed().then(Tansu::start)
 }
 
 fn seed() -> u64 {
@@ -181,14 +196,8 @@ fn offsets_road_in_batches() {
 /// applies it, the other half, a new consumer process, then SIGTERM. The ledger must be exact (ids: once per
 /// event; offsets: once per record) and the consumer must leave cleanly when told to.
 fn example_consumer(road: Road) {
-    let python = kafka::install_dir().join("venv/bin/python");
-    if !python.exists() {
-        let why = format!("{} is missing; scripts/setup.sh creates it with confluent-kafka", python.display());
-        assert!(std::env::var("PG_DEDUP_REQUIRE_KAFKA").map_or(true, |v| v != "1"), "{why}");
-        eprintln!("SKIPPED (tests/kafka.rs): {why}");
-        return;
-    }
     let Some(tansu) = broker() else { return };
+    let python = python();
     let name = format!("kafka_example_{}", road.name());
     let mut admin = cluster().fresh_db(&name);
     replay::prepare(&mut admin).unwrap();
