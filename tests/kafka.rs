@@ -23,13 +23,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::time::Duration;
 
+/// Payment events per run, published by a producer that sends about a fifth of them twice.
 const EVENTS: usize = 300;
-const MEMBERS: usize = 4;
 const DUPLICATE_RATE: f64 = 0.2;
-/// Deaths per transaction: about seven per run either way (each costs the group a rebalance, about 2 s).
-const CRASH_RATE: f64 = 0.02;
-const CRASH_RATE_BATCHED: f64 = 0.2;
-const BATCH: usize = 10;
+/// The group's size, as in the demo.
+const MEMBERS: usize = 4;
+/// Each road runs in two shapes side by side: (records per transaction, chance that a member dies in a transaction), so
+/// about seven deaths per run either way (each costs the group a rebalance, about 2 s).
+const SHAPES: [(usize, f64); 2] = [(1, 0.02), (10, 0.2)];
 
 static CLUSTER: OnceLock<Cluster> = OnceLock::new();
 
@@ -81,24 +82,13 @@ fn seed() -> u64 {
     std::env::var("KAFKA_SEED").map_or_else(|_| Rng::new().u64(..), |s| s.parse().expect("KAFKA_SEED is a u64"))
 }
 
-/// Fails with the seed to replay when dropped by a panic.
-struct NameSeedOnFailure(u64);
-
-impl Drop for NameSeedOnFailure {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            eprintln!("the Kafka replay failed with seed {0}: replay it with KAFKA_SEED={0}", self.0);
-        }
-    }
-}
-
 fn replay_through_kafka(road: Road, batch: usize, crash_rate: f64) {
     let Some(tansu) = broker() else { return };
     let name = format!("kafka_{}_{batch}", road.name());
     let mut admin = cluster().fresh_db(&name);
     replay::prepare(&mut admin).unwrap();
     let seed = seed();
-    let _name = NameSeedOnFailure(seed);
+    let _seed = SeedOnFailure("the Kafka replay", "KAFKA_SEED", seed);
     let mut rng = Rng::with_seed(seed);
     let events = replay::events(&name, EVENTS, &mut rng);
     let stream = replay::publish(&events, DUPLICATE_RATE, &mut rng);
@@ -172,24 +162,30 @@ fn replay_through_kafka(road: Road, batch: usize, crash_rate: f64) {
     println!("{counts}: ledger exact");
 }
 
-#[test]
-fn ids_road_one_record_per_transaction() {
-    replay_through_kafka(Road::Ids, 1, CRASH_RATE);
+/// Runs `run` for each of `items` side by side, each in a thread of its own (with a broker and a database of its
+/// own); any one's failure fails the test with its panic.
+fn side_by_side<T: Send>(items: impl IntoIterator<Item = T>, run: impl Fn(T) + Sync) {
+    let run = &run;
+    std::thread::scope(|s| {
+        let runs: Vec<_> = items.into_iter().map(|item| s.spawn(move || run(item))).collect();
+        for handle in runs {
+            if let Err(panic) = handle.join() {
+                std::panic::resume_unwind(panic);
+            }
+        }
+    });
 }
 
+/// mark() (mark_many() in batches) and the offset commit after COMMIT: `make demo DEMO_ARGS=--kafka`.
 #[test]
-fn ids_road_in_batches() {
-    replay_through_kafka(Road::Ids, BATCH, CRASH_RATE_BATCHED);
+fn ids_road() {
+    side_by_side(SHAPES, |(batch, crash_rate)| replay_through_kafka(Road::Ids, batch, crash_rate));
 }
 
+/// advance() (twice per partition of a batch), no offset commits, a seek to position() + 1 on every assignment.
 #[test]
-fn offsets_road_one_record_per_transaction() {
-    replay_through_kafka(Road::Offsets, 1, CRASH_RATE);
-}
-
-#[test]
-fn offsets_road_in_batches() {
-    replay_through_kafka(Road::Offsets, BATCH, CRASH_RATE_BATCHED);
+fn offsets_road() {
+    side_by_side(SHAPES, |(batch, crash_rate)| replay_through_kafka(Road::Offsets, batch, crash_rate));
 }
 
 /// examples/kafka_consumer (Python, confluent-kafka, psycopg) on one road: half the stream, a SIGKILL while it
@@ -209,7 +205,7 @@ fn example_consumer(road: Road) {
         )
         .unwrap();
     let seed = seed();
-    let _name = NameSeedOnFailure(seed);
+    let _seed = SeedOnFailure("the Kafka replay", "KAFKA_SEED", seed);
     let mut rng = Rng::with_seed(seed);
     let events = replay::events(&name, EVENTS, &mut rng);
     let stream = replay::publish(&events, DUPLICATE_RATE, &mut rng);
@@ -256,12 +252,8 @@ fn example_consumer(road: Road) {
     println!("examples/kafka_consumer, road {}: seed {seed}, killed once, ledger exact", road.name());
 }
 
+/// examples/kafka_consumer on both roads at once.
 #[test]
-fn example_consumer_ids_road() {
-    example_consumer(Road::Ids);
-}
-
-#[test]
-fn example_consumer_offsets_road() {
-    example_consumer(Road::Offsets);
+fn example_consumer_on_both_roads() {
+    side_by_side([Road::Ids, Road::Offsets], example_consumer);
 }
