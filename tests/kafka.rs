@@ -28,9 +28,10 @@ const EVENTS: usize = 300;
 const DUPLICATE_RATE: f64 = 0.2;
 /// The group's size, as in the demo.
 const MEMBERS: usize = 4;
-/// Each road runs in two shapes side by side: (records per transaction, chance that a member dies in a transaction), so
-/// about seven deaths per run either way (each costs the group a rebalance, about 2 s).
-const SHAPES: [(usize, f64); 2] = [(1, 0.02), (10, 0.2)];
+/// Each road runs in two shapes side by side: (records per transaction, chance that a member dies in a
+/// transaction), so about five deaths per run either way (each costs the group a rebalance, about 2 s). Either
+/// run may kill none; both killing none (about 1 in 20,000) fails the road's test.
+const SHAPES: [(usize, f64); 2] = [(1, 0.015), (10, 0.14)];
 
 static CLUSTER: OnceLock<Cluster> = OnceLock::new();
 
@@ -82,8 +83,9 @@ fn seed() -> u64 {
     std::env::var("KAFKA_SEED").map_or_else(|_| Rng::new().u64(..), |s| s.parse().expect("KAFKA_SEED is a u64"))
 }
 
-fn replay_through_kafka(road: Road, batch: usize, crash_rate: f64) {
-    let Some(tansu) = broker() else { return };
+/// One run; returns how many members were killed (None: skipped).
+fn replay_through_kafka(road: Road, batch: usize, crash_rate: f64) -> Option<u64> {
+    let tansu = broker()?;
     let name = format!("kafka_{}_{batch}", road.name());
     let mut admin = cluster().fresh_db(&name);
     replay::prepare(&mut admin).unwrap();
@@ -125,7 +127,6 @@ fn replay_through_kafka(road: Road, batch: usize, crash_rate: f64) {
     assert_eq!(load(&traffic.published), stream.len() as u64, "every record acknowledged; {counts}");
     assert_eq!(left, 0, "records past what the group finished; {counts}");
     assert_eq!(deaths.iter().sum::<u64>(), crashes, "each death reported its point; {counts}");
-    assert!(crashes > 0, "no member was killed; {counts}");
     match road {
         Road::Ids => {
             let ledger = replay::check_ledger(&mut admin, &events).unwrap();
@@ -160,32 +161,37 @@ fn replay_through_kafka(road: Road, batch: usize, crash_rate: f64) {
         admin.query_one(sql, &[&name]).unwrap().get::<_, i64>(0) == 0
     });
     println!("{counts}: ledger exact");
+    Some(crashes)
 }
 
 /// Runs `run` for each of `items` side by side, each in a thread of its own (with a broker and a database of its
-/// own); any one's failure fails the test with its panic.
-fn side_by_side<T: Send>(items: impl IntoIterator<Item = T>, run: impl Fn(T) + Sync) {
+/// own), and returns what each returned; any one's failure fails the test with its panic.
+fn side_by_side<T: Send, R: Send>(items: impl IntoIterator<Item = T>, run: impl Fn(T) -> R + Sync) -> Vec<R> {
     let run = &run;
     std::thread::scope(|s| {
         let runs: Vec<_> = items.into_iter().map(|item| s.spawn(move || run(item))).collect();
-        for handle in runs {
-            if let Err(panic) = handle.join() {
-                std::panic::resume_unwind(panic);
-            }
-        }
-    });
+        runs.into_iter().map(|handle| handle.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic))).collect()
+    })
+}
+
+/// Both shapes of `road`; between them they must have killed members.
+fn both_shapes(road: Road) {
+    let runs = side_by_side(SHAPES, |(batch, crash_rate)| replay_through_kafka(road, batch, crash_rate));
+    if let Some(killed) = runs.into_iter().sum::<Option<u64>>() {
+        assert!(killed > 0, "road {}: no member was killed in either run", road.name());
+    }
 }
 
 /// mark() (mark_many() in batches) and the offset commit after COMMIT: `make demo DEMO_ARGS=--kafka`.
 #[test]
 fn ids_road() {
-    side_by_side(SHAPES, |(batch, crash_rate)| replay_through_kafka(Road::Ids, batch, crash_rate));
+    both_shapes(Road::Ids);
 }
 
 /// advance() (twice per partition of a batch), no offset commits, a seek to position() + 1 on every assignment.
 #[test]
 fn offsets_road() {
-    side_by_side(SHAPES, |(batch, crash_rate)| replay_through_kafka(Road::Offsets, batch, crash_rate));
+    both_shapes(Road::Offsets);
 }
 
 /// examples/kafka_consumer (Python, confluent-kafka, psycopg) on one road: half the stream, a SIGKILL while it
