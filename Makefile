@@ -31,10 +31,12 @@ test-long: test
 setup:
 	@scripts/setup.sh
 
-# The default feature (PostgreSQL 15) for clippy, as for an editor's cargo check.
+# Clippy for the default feature (PostgreSQL 15), as for an editor's cargo check, and for the extension on the oldest
+# and newest majors too: their `cfg` arms (ports.rs, shmem.rs) are compiled only there.
 lint: setup
 	@cargo fmt --all --check
 	@cargo clippy -q --workspace --all-targets -- -D warnings
+	@for v in 13 18; do cargo clippy -q -p pg_dedup --all-targets --no-default-features --features pg$$v,pg_test -- -D warnings || exit 1; done
 
 install: setup
 	@for v in $(PG_VERSIONS); do echo "== installing pg_dedup into PostgreSQL $$v"; scripts/pg.sh install_extension $$v || exit 1; done

@@ -18,14 +18,20 @@ SELECT r.name,
          ON c.relname OPERATOR(pg_catalog.=) ('inbox_' OPERATOR(pg_catalog.||) r.name)
         AND c.relnamespace OPERATOR(pg_catalog.=) 'dedup'::pg_catalog.regnamespace;
 
--- The columns of pg_dedup 0.2.0 first, then those added since (so an update can CREATE OR REPLACE the view).
+-- The columns of pg_dedup 0.2.0 first, then those added since (so an update can CREATE OR REPLACE the view). The
+-- counters come by name (src/shmem.rs lists them; a #[pg_test] in src/stats.rs checks that each is a column here).
 CREATE VIEW dedup.stats AS
-SELECT i.inbox, i.marks, i.duplicates, i.renewals, i.purged, i.backlog, i.lookups, i.certainly_new,
-       i.false_positives, i.filter_trusted,
+SELECT i.inbox, c.marks, c.duplicates, c.renewals, c.purged, i.backlog, c.lookups, c.certainly_new,
+       c.false_positives, i.filter_trusted,
        w.*, f.*,
-       i.filter_trigger, i.claims_new, i.claims_completed, i.claims_in_progress, i.fingerprint_mismatches,
-       i.lease_takeovers, i.advances, i.stale_advances, i.rows_passed, i.rows_dropped
-  FROM dedup.inbox_counters() AS i
+       i.filter_trigger, c.claims_new, c.claims_completed, c.claims_in_progress, c.fingerprint_mismatches,
+       c.lease_takeovers, c.advances, c.stale_advances, c.rows_passed, c.rows_dropped
+  FROM dedup.inbox_figures() AS i
+  LEFT JOIN LATERAL pg_catalog.jsonb_to_record(i.counters)
+         AS c(marks bigint, duplicates bigint, renewals bigint, purged bigint, lookups bigint, certainly_new bigint,
+              false_positives bigint, claims_new bigint, claims_completed bigint, claims_in_progress bigint,
+              fingerprint_mismatches bigint, lease_takeovers bigint, advances bigint, stale_advances bigint,
+              rows_passed bigint, rows_dropped bigint) ON true
  CROSS JOIN dedup.worker_stats() AS w
  CROSS JOIN dedup.filter_stats() AS f;
 

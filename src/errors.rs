@@ -12,6 +12,21 @@ pub fn raise(code: PgSqlErrorCode, message: impl Into<String>, hint: impl Into<S
     unreachable!("an ERROR report does not return")
 }
 
+/// Sends the client a `dedup:` NOTICE (with a hint when there is one): something it should know that is not an
+/// error.
+pub fn notice(message: impl Into<String>, hint: Option<String>) {
+    let report = ErrorReport::new(
+        PgSqlErrorCode::ERRCODE_SUCCESSFUL_COMPLETION,
+        format!("dedup: {}", message.into()),
+        "pg_dedup",
+    );
+    match hint {
+        Some(hint) => report.set_hint(hint),
+        None => report,
+    }
+    .report(PgLogLevel::NOTICE);
+}
+
 /// For SPI failures that can only mean a bug or a damaged installation: still a clean ERROR, never a panic
 /// message about `unwrap`.
 pub fn internal(context: &str, err: impl std::fmt::Display) -> ! {

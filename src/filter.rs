@@ -7,7 +7,7 @@
 //! - Every key written to an inbox table goes into **both** generations *right after* its row is written, before
 //!   the writing statement ends: the `dedup_filter` trigger (trigger.rs: AFTER INSERT OR UPDATE OF id, `ENABLE
 //!   ALWAYS`, so it also fires for COPY, restores and logical replication) adds `NEW.id`, and the direct insert
-//!   (direct_insert.rs), which bypasses triggers, does the same itself. Rollbacks, `forget()`, TRUNCATE and expiry
+//!   (direct/insert.rs), which bypasses triggers, does the same itself. Rollbacks, `forget()`, TRUNCATE and expiry
 //!   only leave extra bits: false positives, never false negatives.
 //! - An inbox is *trusted* in a generation only once its rows were loaded into it (a rebuild scanned the table, or
 //!   the inbox was created empty in this server's lifetime), and only while its trigger guards it (trigger.rs stops

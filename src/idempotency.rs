@@ -19,7 +19,7 @@ use crate::errors::{raise, raise_with_sqlstate, sqlstate};
 use crate::inbox::{self, Access, Inbox, Stmt};
 use crate::jsonb::Jsonb;
 use crate::shmem::Counter;
-use crate::{claim, input, xact};
+use crate::{gate, input, mark, rows, xact};
 use pgrx::prelude::*;
 
 /// Largest result `complete()` stores: jsonb, its size decompressed.
@@ -32,29 +32,6 @@ enum Answer {
     InProgress,
 }
 
-/// The row of key `id`, as this transaction sees it now: read directly, or through SQL where the table needs it.
-fn probe(inbox: &Inbox, id: &str) -> Option<Found> {
-    if direct::readable(inbox) {
-        return direct::find(inbox, id);
-    }
-    Spi::connect(|client| {
-        let rows = inbox.run(client, Stmt::ClaimProbe, &[id.into()]);
-        let row = rows.into_iter().next()?;
-        let mine = row.get::<bool>(6).ok().flatten().unwrap_or(false);
-        // SAFETY: inside the SPI connection, a jsonb column.
-        let result = row.get::<Jsonb>(3).ok().flatten().map(|r| unsafe { Jsonb::from_spi(r.datum()) });
-        Some(Found {
-            tid: None,
-            expires_at: row.get(1).ok().flatten().expect("expires_at is NOT NULL"),
-            fingerprint: row.get(2).ok().flatten(),
-            result,
-            lease_until: row.get(4).ok().flatten(),
-            completed: row.get(5).ok().flatten(),
-            mine,
-        })
-    })
-}
-
 /// Runs `stmt`; true if it returned a row.
 fn wrote(inbox: &Inbox, stmt: Stmt, args: &[pgrx::datum::DatumWithOid<'_>]) -> bool {
     Spi::connect(|client| !inbox.run(client, stmt, args).is_empty())
@@ -62,9 +39,7 @@ fn wrote(inbox: &Inbox, stmt: Stmt, args: &[pgrx::datum::DatumWithOid<'_>]) -> b
 
 /// Runs `stmt` without waiting for a row or key another transaction holds: None if it would have had to wait.
 fn wrote_at_once(inbox: &Inbox, stmt: Stmt, args: &[pgrx::datum::DatumWithOid<'_>]) -> Option<bool> {
-    xact::undo_on(PgSqlErrorCode::ERRCODE_LOCK_NOT_AVAILABLE, || {
-        inbox.with_lock_timeout(c"1ms", || wrote(inbox, stmt, args))
-    })
+    xact::unless_it_waits(|| inbox.with_lock_timeout(c"1ms", || wrote(inbox, stmt, args)))
 }
 
 /// The first characters of a fingerprint, for an error's DETAIL.
@@ -96,7 +71,7 @@ fn claim_key(inbox: &Inbox, id: &str, row: &Row, now: TimestampWithTimeZone, wai
         args
     };
     // A key the filter vouches for goes straight in (a speculative insertion, which never waits either).
-    let says_new = claim::filter_says_new(inbox, id);
+    let says_new = gate::certainly_new(inbox, id);
     if says_new == Some(true) && direct::insert(inbox, &[id.to_owned()], row).len() == 1 {
         return Answer::New;
     }
@@ -108,8 +83,8 @@ fn claim_key(inbox: &Inbox, id: &str, row: &Row, now: TimestampWithTimeZone, wai
     };
     // Set once an insert that may not wait met a key another transaction is inserting.
     let mut held = false;
-    for _ in 0..claim::MAX_ROUNDS {
-        let Some(found) = probe(inbox, id) else {
+    for _ in 0..mark::MAX_ROUNDS {
+        let Some(found) = rows::find_one(inbox, id) else {
             if held {
                 return Answer::InProgress;
             }
@@ -154,7 +129,7 @@ fn claim_key(inbox: &Inbox, id: &str, row: &Row, now: TimestampWithTimeZone, wai
     }
     raise(
         PgSqlErrorCode::ERRCODE_T_R_SERIALIZATION_FAILURE,
-        format!("could not claim key \"{id}\" in inbox \"{}\" after {} rounds", inbox.name, claim::MAX_ROUNDS),
+        format!("could not claim key \"{id}\" in inbox \"{}\" after {} rounds", inbox.name, mark::MAX_ROUNDS),
         "Another session kept deleting and re-creating the same key; retry the transaction.",
     )
 }
@@ -220,7 +195,7 @@ fn complete(id: Option<&str>, result: default!(Option<Jsonb>, "NULL"), inbox: de
             hint,
         )
     };
-    let Some(found) = probe(&inbox, id) else {
+    let Some(found) = rows::find_one(&inbox, id) else {
         not_in_progress(
             "is not claimed".into(),
             "Claim it with dedup.claim() first, in this transaction or with a lease.",
@@ -255,7 +230,7 @@ fn release(id: Option<&str>, inbox: default!(Option<&str>, "'default'")) -> bool
     input::require_writable("release");
     let id = input::id(id);
     let inbox = inbox::open(input::inbox_name(inbox), Access::Delete);
-    match probe(&inbox, id) {
+    match rows::find_one(&inbox, id) {
         Some(found) if found.completed == Some(false) && (found.mine || found.lease_until.is_some()) => {
             wrote(&inbox, Stmt::Release, &[id.into()])
         }

@@ -100,7 +100,8 @@ pub fn ids<'arr>(ids: &'arr Array<'_, &str>) -> Vec<&'arr str> {
 }
 
 /// A time-to-live must be a positive, finite, sane interval. Mixed-sign intervals ('1 day -2 hours') are refused:
-/// whether they are positive depends on the calendar, and no caller means them.
+/// whether they are positive depends on the calendar (a day is 23 or 25 hours across a daylight-saving change, a
+/// month 28 to 31 days), and one positive unit says the same without doubt ('22 hours').
 pub fn ttl(ttl: Interval) -> Interval {
     positive_interval(
         "ttl",
@@ -118,16 +119,35 @@ pub fn lease(lease: Interval) -> Interval {
     )
 }
 
+/// The longest `value` can last, in microseconds: a month counted as 31 days, a day as 24 hours (exact: no part is
+/// rounded away, so '3660 days 00:00:00.000001' is longer than '3660 days').
+fn longest_micros(value: &Interval) -> i128 {
+    const DAY: i128 = 86_400_000_000;
+    (value.months() as i128 * 31 + value.days() as i128) * DAY + value.micros() as i128
+}
+
 fn positive_interval(name: &str, value: Interval, hint: &str) -> Interval {
-    let (months, days, micros) = (value.months() as i64, value.days() as i64, value.micros());
-    if months < 0 || days < 0 || micros < 0 || (months == 0 && days == 0 && micros == 0) {
-        raise(PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE, format!("{name} must be positive, got {value}"), hint)
-    }
-    let approx_days = months.saturating_mul(31).saturating_add(days).saturating_add(micros / 86_400_000_000);
-    if approx_days > MAX_TTL_DAYS {
+    let parts = [value.months() as i64, value.days() as i64, value.micros()];
+    if parts.iter().any(|p| *p < 0) && parts.iter().any(|p| *p > 0) {
         raise(
             PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE,
-            format!("{name} {value} is too long; the limit is {MAX_TTL_DAYS} days (about 10 years)"),
+            format!("{name} {value} mixes positive and negative parts"),
+            format!(
+                "Whether such an interval is positive depends on the calendar; write it as one positive interval \
+                 (e.g. '22 hours' for '1 day -2 hours'). {hint}"
+            ),
+        )
+    }
+    if parts.iter().all(|p| *p <= 0) {
+        raise(PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE, format!("{name} must be positive, got {value}"), hint)
+    }
+    if longest_micros(&value) > MAX_TTL_DAYS as i128 * 86_400_000_000 {
+        raise(
+            PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE,
+            format!(
+                "{name} {value} is too long; the limit is {MAX_TTL_DAYS} days (about 10 years, a month counted as 31 \
+                 days)"
+            ),
             hint,
         )
     }
@@ -218,11 +238,45 @@ mod tests {
 
     #[pg_test]
     fn input_a_ttl_must_be_positive_and_sane() {
-        for ttl in ["'0 seconds'", "'-1 hour'", "'1 day -2 hours'", "'3661 days'", "'119 months 1 day'"] {
+        for ttl in ["'0 seconds'", "'-1 hour'", "'-1 day -2 hours'", "'3661 days'", "'119 months 1 day'"] {
             assert_dedup_error(&format!("SELECT dedup.mark('t', {ttl})"), ERRCODE_INVALID_PARAMETER_VALUE);
         }
         assert!(one::<bool>("SELECT dedup.mark('t', '3660 days')"), "the limit itself is allowed");
+        assert!(one::<bool>("SELECT dedup.mark('t2', '3659 days 24:00:00')"), "the limit, spelt in hours");
+        assert!(one::<bool>("SELECT dedup.mark('t3', '118 months 2 days')"), "118 x 31 + 2 = 3660 days");
         assert_dedup_error("SELECT dedup.create_inbox('bad_ttl', '-1 day')", ERRCODE_INVALID_PARAMETER_VALUE);
+    }
+
+    #[pg_test]
+    fn input_the_ttl_and_lease_limit_is_exact_for_every_function() {
+        // Past the limit by less than a day, an hour, a microsecond: each was let through when the check rounded
+        // microseconds down to whole days.
+        for over in
+            ["'3660 days 23:00:00'", "'3660 days 23:59:59'", "'3660 days 00:00:00.000001'", "'3659 days 24:00:01'"]
+        {
+            for sql in [
+                format!("SELECT dedup.mark('x', {over})"),
+                format!("SELECT * FROM dedup.mark_many(ARRAY['x'], {over})"),
+                format!("SELECT dedup.advance('x', 1, 'default', {over})"),
+                format!("SELECT * FROM dedup.claim('x', ttl => {over})"),
+                format!("SELECT * FROM dedup.claim('x', lease => {over})"),
+                format!("SELECT dedup.create_inbox('too_long', {over})"),
+                format!("CREATE TABLE lim_{n} (k text); SELECT dedup.attach('lim_{n}', 'k', {over})", n = over.len()),
+            ] {
+                assert_dedup_error(&sql, ERRCODE_INVALID_PARAMETER_VALUE);
+            }
+        }
+    }
+
+    #[pg_test]
+    fn input_a_mixed_sign_interval_is_refused_saying_so() {
+        for ttl in ["'1 day -2 hours'", "'1 month -1 day'", "'-1 day 25:00:00'"] {
+            assert_dedup_error(&format!("SELECT dedup.mark('t', {ttl})"), ERRCODE_INVALID_PARAMETER_VALUE);
+            let (_, message) = error_of(&format!("SELECT dedup.mark('t', {ttl})"));
+            assert!(message.contains("mixes positive and negative parts"), "{message}");
+        }
+        let (_, message) = error_of("SELECT dedup.mark('t', '-1 hour')");
+        assert!(message.contains("must be positive"), "{message}");
     }
 
     #[pg_test]

@@ -26,6 +26,15 @@ impl Jsonb {
         self.0
     }
 
+    /// `text` parsed as jsonb, in the current memory context (a clean ERROR if it is not JSON).
+    pub fn parse(text: &str) -> Jsonb {
+        let text = std::ffi::CString::new(text).expect("JSON text has no NUL");
+        // SAFETY: jsonb_in takes a NUL-terminated C string and returns a palloc'd jsonb.
+        let datum =
+            unsafe { pgrx::direct_function_call::<pg_sys::Datum>(pg_sys::jsonb_in, &[text.as_c_str().into_datum()]) };
+        Jsonb(datum.expect("jsonb_in returns a value"))
+    }
+
     /// A detoasted copy of `datum` in the current memory context, independent of the tuple or buffer it was read
     /// from.
     ///

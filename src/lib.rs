@@ -1,53 +1,72 @@
 //! pg_dedup: message deduplication (idempotent consumer / inbox pattern) inside PostgreSQL.
 //!
-//! Table of contents:
-//! - `api`     — the SQL functions in schema `dedup` (mark, mark_many, seen, forget, inboxes, purge)
-//! - `claim`   — the claim algorithm: ask the filter, insert, wait for concurrent claims, renew expired marks
+//! The rule: each feature room holds its own SQL face (its `#[pg_extern]` functions) beside its logic, and the
+//! floors below know nothing of the rooms above them. docs/architecture.md is the map, with recipes.
+//!
+//! Features, each with its SQL face:
+//! - `mark`        — mark(), mark_many(), seen(), forget(), and the algorithm that marks ids (attached rows too)
 //! - `idempotency` — idempotency keys: claim(), complete(), release(), fingerprint()
-//! - `jsonb`   — a jsonb value passed through without parsing (stored results)
-//! - `attach`  — attach(): deduplicating a table's inserts (INSERT, COPY, replication) by a key over its rows
-//! - `positions` — advance() and position(): per-key positions of ordered streams
-//! - `direct`  — inbox rows read and written without the executor: certainly-new ids, one id's row, completions
+//! - `attach`      — attach(), detach(): deduplicating a table's inserts (INSERT, COPY, replication) by a key
+//! - `positions`   — advance(), position(): per-key positions of ordered streams
+//! - `inboxes`     — create_inbox(), drop_inbox()
+//! - `purge`       — purge(), and the workers' purge cycles: batched deletion of expired marks
+//! - `distribute`  — distribute_inbox(), undistribute_inbox() (Citus)
+//! - `stats`       — `dedup.stats`
+//! - `rebuild`     — bloom_rebuild(): loading inbox tables into the filter, and the worker's upkeep of it
+//! - `worker`      — the background launcher and per-database workers (preloaded only)
+//!
+//! Doors the features share:
+//! - `gate`    — the one door to the filter for an inbox: "certainly new" or "maybe", counted
+//! - `rows`    — the one door to an inbox's rows: read directly where the table allows, else through SQL
+//!
+//! Storage, below the features:
 //! - `inbox`   — inbox tables: their statements, the registry, and the per-backend cache
-//! - `relcache` — per-backend caches of what is built from a table, made stale by the table's invalidations
-//! - `filter`  — the shared-memory Bloom filter in front of the indexes (preloaded only)
+//! - `direct`  — inbox rows read and written without the executor: certainly-new ids, one id's row, completions
 //! - `trigger` — the filter trigger on every inbox table, and the DDL watch that keeps the filter honest about it
-//! - `rebuild` — loading inbox tables into the filter, and the worker's upkeep of it
+//! - `citus`   — what storage needs to know of Citus: distributed tables, lock waits on the workers
+//! - `catalog` — relations as the catalogs show them, and the inbox tables among them
+//!
+//! Shared memory:
+//! - `filter`  — the shared-memory Bloom filter in front of the indexes (preloaded only)
 //! - `shmem`   — the shared memory region: filter words, per-inbox state and counters, worker slots
-//! - `worker`  — the background launcher and per-database workers (preloaded only)
-//! - `purge`   — batched deletion of expired marks, by `dedup.purge()` and by the workers' cycles
-//! - `stats`   — `dedup.stats`
+//!
+//! Foundations:
+//! - `plans`   — prepared statements kept per backend: `statements!` and `Plans`
+//! - `relcache` — per-backend caches of what is built from a table, made stale by the table's invalidations
 //! - `rights`  — acting as a table's owner (the worker's purge) or as the extension's owner (creating inboxes)
-//! - `catalog` — finding inbox tables in the catalogs
-//! - `citus`   — inboxes distributed with Citus: distribute_inbox(), and telling them apart
 //! - `clock`   — the time expiry is measured against
 //! - `xact`    — brackets that undo work on error: subtransactions, and the workers' transactions
 //! - `guc`     — every setting
 //! - `input`   — validation of every argument
 //! - `errors`  — `dedup:` errors with SQLSTATE and hint
+//! - `jsonb`   — a jsonb value passed through without parsing (stored results)
 //! - `ports`   — PostgreSQL C macros and version differences, ported once
 //! - `sql/`    — the hand-written SQL objects (row type, registry, default inbox, views, privileges)
 
-mod api;
 mod attach;
 mod catalog;
 mod citus;
-mod claim;
 mod clock;
 mod direct;
+mod distribute;
 mod errors;
 mod filter;
+mod gate;
 mod guc;
 mod idempotency;
 mod inbox;
+mod inboxes;
 mod input;
 mod jsonb;
+mod mark;
+mod plans;
 mod ports;
 mod positions;
 mod purge;
 mod rebuild;
 mod relcache;
 mod rights;
+mod rows;
 mod shmem;
 mod stats;
 mod trigger;
@@ -82,13 +101,15 @@ pub extern "C-unwind" fn _PG_init() {
 use pgrx::pg_guard;
 
 /// `cargo pgrx test`: the server the `#[pg_test]`s run in preloads pg_dedup, so the shared filter, its counters and
-/// the launcher are there; no worker serves the test database (`dedup.database` names another), so nothing loads
-/// or purges behind a test's back. `track_functions` lets tests see whether the filter trigger ran.
+/// the launcher are there; but no worker runs at all (`dedup.database` names a database that does not exist): the
+/// right to rebuild the filter is server-wide, and a worker of another database loading or rotating it would make
+/// any test that rebuilds, or that trusts a new inbox at once, depend on who wins the race. Nothing loads or purges
+/// behind a test's back. `track_functions` lets tests see whether the filter trigger ran.
 #[cfg(test)]
 pub mod pg_test {
     pub fn setup(_options: Vec<&str>) {}
 
     pub fn postgresql_conf_options() -> Vec<&'static str> {
-        vec!["shared_preload_libraries = 'pg_dedup'", "dedup.database = 'postgres'", "track_functions = 'all'"]
+        vec!["shared_preload_libraries = 'pg_dedup'", "dedup.database = 'no_worker_here'", "track_functions = 'all'"]
     }
 }

@@ -17,21 +17,6 @@ pub unsafe fn GETSTRUCT<T>(tuple: pg_sys::HeapTuple) -> *const T {
     }
 }
 
-/// The owner of relation `relid` (`pg_class.relowner`), looked up in the syscache; None if there is no such
-/// relation.
-pub fn relation_owner(relid: pg_sys::Oid) -> Option<pg_sys::Oid> {
-    // SAFETY: a syscache lookup by oid; the tuple is released before returning and only copied from meanwhile.
-    unsafe {
-        let tuple = pg_sys::SearchSysCache1(pg_sys::SysCacheIdentifier::RELOID as i32, relid.into_datum()?);
-        if tuple.is_null() {
-            return None;
-        }
-        let owner = (*GETSTRUCT::<pg_sys::FormData_pg_class>(tuple)).relowner;
-        pg_sys::ReleaseSysCache(tuple);
-        Some(owner)
-    }
-}
-
 /// Which row `ExecInsertIndexTuples` adds index entries for: a new row, or the new version of an updated row (all
 /// indexes, or since 16 only the summarizing ones, BRIN, after a HOT update).
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -209,15 +194,6 @@ pub fn disable_statement_timeout() {
 mod tests {
     use crate::testing::*;
     use pgrx::prelude::*;
-
-    #[pg_test]
-    fn ports_relation_owner_reads_pg_class() {
-        run("CREATE ROLE ports_owner; CREATE TABLE ports_t (x int); ALTER TABLE ports_t OWNER TO ports_owner");
-        let relid = one::<pg_sys::Oid>("SELECT 'ports_t'::regclass::oid");
-        let owner = one::<pg_sys::Oid>("SELECT 'ports_owner'::regrole::oid");
-        assert_eq!(super::relation_owner(relid), Some(owner));
-        assert_eq!(super::relation_owner(pg_sys::Oid::from(4_294_967_000)), None);
-    }
 
     #[pg_test]
     fn ports_a_statement_timeout_armed_by_hand_cancels_like_statement_timeout() {

@@ -19,25 +19,25 @@
 //! lower position.
 
 use crate::clock::{expiry, statement_now};
-use crate::errors::internal;
-use crate::inbox::Inbox;
+use crate::errors::{internal, raise};
+use crate::inbox::{self, Access, Inbox};
+use crate::input;
+use crate::plans::{statements, Plans};
 use crate::rights;
 use crate::shmem::Counter;
 use pgrx::prelude::*;
-use pgrx::spi::{OwnedPreparedStatement, SpiTupleTable};
-use std::cell::OnceCell;
+use pgrx::spi::SpiTupleTable;
 
-/// The positions table's statements, prepared once per backend.
-#[derive(Clone, Copy)]
-enum Stmt {
+statements! {
+    /// $1 inbox, $2 key → (position, expires_at) of the key's row visible now.
     Read,
+    /// $1 inbox, $2 key, $3 position, $4 expires_at, $5 now → a row if the position was stored.
     Upsert,
+    /// $1 inbox, $2 now, $3 batch size → deletes up to that many expired positions, skipping held rows.
     PurgeBatch,
 }
 
 impl Stmt {
-    const ALL: usize = 3;
-
     fn sql(self) -> &'static str {
         match self {
             Stmt::Read => {
@@ -71,7 +71,7 @@ impl Stmt {
 }
 
 thread_local! {
-    static PLANS: [OnceCell<OwnedPreparedStatement>; Stmt::ALL] = Default::default();
+    static PLANS: Plans<{ Stmt::COUNT }> = Plans::default();
 }
 
 /// Runs `stmt` as the extension's owner (the caller's rights on the inbox were checked when it was opened).
@@ -79,12 +79,7 @@ fn run<R>(function: &str, stmt: Stmt, args: &[pgrx::datum::DatumWithOid<'_>], f:
     rights::as_extension_owner(function, || {
         Spi::connect(|client| {
             PLANS.with(|plans| {
-                let plan = plans[stmt as usize].get_or_init(|| {
-                    client
-                        .prepare_mut(stmt.sql(), &stmt.arg_types())
-                        .unwrap_or_else(|e| internal("preparing a positions statement", e))
-                        .keep()
-                });
+                let plan = plans.get(client, stmt as usize, || stmt.sql().to_owned(), || stmt.arg_types());
                 f(client.select(plan, None, args).unwrap_or_else(|e| internal("running a positions statement", e)))
             })
         })
@@ -100,7 +95,7 @@ fn stored(function: &str, inbox: &Inbox, key: &str) -> Option<(i64, TimestampWit
 }
 
 /// Stores `position` for `key` if it is beyond the stored one (or there is none live): true if it did.
-pub fn advance(inbox: &Inbox, key: &str, position: i64, ttl: Option<Interval>) -> bool {
+pub fn advance_key(inbox: &Inbox, key: &str, position: i64, ttl: Option<Interval>) -> bool {
     let now = statement_now();
     let ahead = match stored("advance", inbox, key) {
         Some((current, expires_at)) if expires_at > now && current >= position => false,
@@ -115,7 +110,7 @@ pub fn advance(inbox: &Inbox, key: &str, position: i64, ttl: Option<Interval>) -
 }
 
 /// The live position of `key` in `inbox`, None if it has none.
-pub fn position(inbox: &Inbox, key: &str) -> Option<i64> {
+pub fn position_of(inbox: &Inbox, key: &str) -> Option<i64> {
     let now = statement_now();
     stored("position", inbox, key).filter(|(_, expires_at)| *expires_at > now).map(|(position, _)| position)
 }
@@ -127,9 +122,44 @@ pub fn purge_batch(inbox: &Inbox, now: TimestampWithTimeZone, limit: i64) -> i64
     run("purge", Stmt::PurgeBatch, &args, |rows| rows.len() as i64)
 }
 
-/// The statement that deletes every position of an inbox being dropped (`$1`: its name), for `drop_inbox()`, which
-/// runs it as the extension's owner.
-pub const DROP_INBOX_SQL: &str = "DELETE FROM dedup.positions WHERE inbox OPERATOR(pg_catalog.=) $1";
+/// Deletes every position of inbox `name`, which is being dropped (for `drop_inbox()`, which runs it as the
+/// extension's owner).
+pub fn forget_inbox(name: &str) {
+    Spi::run_with_args("DELETE FROM dedup.positions WHERE inbox OPERATOR(pg_catalog.=) $1", &[name.into()])
+        .unwrap_or_else(|e| internal("deleting the inbox's positions", e));
+}
+
+/// Stores `position` as the position of `key` in `inbox` if it is beyond the stored one (or the key has none live):
+/// true then; false for a stale or repeated position, which changes nothing. The position lives `ttl` (NULL: the
+/// inbox's default) after this advance.
+#[pg_extern(volatile, parallel_unsafe)]
+fn advance(
+    key: Option<&str>,
+    position: Option<i64>,
+    inbox: default!(Option<&str>, "'default'"),
+    ttl: default!(Option<Interval>, "NULL"),
+) -> bool {
+    input::require_writable("advance");
+    let key = input::key(key);
+    let position = position.unwrap_or_else(|| {
+        raise(
+            PgSqlErrorCode::ERRCODE_NULL_VALUE_NOT_ALLOWED,
+            "position must not be NULL",
+            "Pass the event's position in its key's stream (a version or sequence number).",
+        )
+    });
+    let ttl = ttl.map(input::ttl);
+    let inbox = inbox::open(input::inbox_name(inbox), Access::Mark);
+    advance_key(&inbox, key, position, ttl)
+}
+
+/// The live position of `key` in `inbox`; NULL when it has none (never advanced, or expired).
+#[pg_extern(stable, parallel_restricted)]
+fn position(key: Option<&str>, inbox: default!(Option<&str>, "'default'")) -> Option<i64> {
+    let key = input::key(key);
+    let inbox = inbox::open(input::inbox_name(inbox), Access::Read);
+    position_of(&inbox, key)
+}
 
 #[cfg(any(test, feature = "pg_test"))]
 #[pg_schema]

@@ -11,7 +11,7 @@ use crate::errors::server_log;
 use crate::inbox::{self, Access, Inbox, Stmt};
 use crate::shmem::{Counter, WorkerSlot};
 use crate::xact::{self, in_transaction, try_transaction};
-use crate::{citus, guc, ports, positions, rights};
+use crate::{citus, guc, input, ports, positions, rights};
 use pgrx::prelude::*;
 use std::ffi::CStr;
 use std::time::{Duration, Instant};
@@ -50,11 +50,7 @@ pub fn purge_batch(inbox: &Inbox, now: TimestampWithTimeZone, limit: i64, held: 
 /// the backend's subtransaction cache is half full (a purge of many batches), only the latter: each batch's
 /// subtransaction would otherwise stay in it, and past 64 the cache overflows.
 fn purge_batch_in_place(inbox: &Inbox, now: TimestampWithTimeZone, limit: i64) -> i64 {
-    let quick = || {
-        xact::undo_on(PgSqlErrorCode::ERRCODE_LOCK_NOT_AVAILABLE, || {
-            purge_batch(inbox, now, limit, HeldRows::WaitBriefly)
-        })
-    };
+    let quick = || xact::unless_it_waits(|| purge_batch(inbox, now, limit, HeldRows::WaitBriefly));
     xact::has_room().then(quick).flatten().unwrap_or_else(|| purge_batch(inbox, now, limit, HeldRows::Skip))
 }
 
@@ -200,6 +196,25 @@ fn record_backlog(name: &str, capped: bool) {
     });
 }
 
+/// Deletes expired marks (and expired positions of `advance()`) now, in `inbox` or in every inbox (NULL), at most
+/// `max_rows` of them (NULL: all). Returns how many were deleted. Works without the background worker, e.g. from cron or pg_cron.
+#[pg_extern(volatile, parallel_unsafe)]
+fn purge(inbox: default!(Option<&str>, "NULL"), max_rows: default!(Option<i64>, "NULL")) -> i64 {
+    input::require_writable("purge");
+    let max_rows = input::max_rows(max_rows);
+    let names = match inbox {
+        Some(name) => vec![input::inbox_name(Some(name)).to_owned()],
+        None => inbox::all_names(),
+    };
+    let mut deleted = 0;
+    for name in names {
+        let remaining = max_rows.map(|m| m - deleted);
+        let inbox = inbox::open(&name, Access::Delete);
+        deleted += purge_inbox(&inbox, remaining);
+    }
+    deleted
+}
+
 #[cfg(any(test, feature = "pg_test"))]
 #[pg_schema]
 mod tests {
@@ -250,5 +265,28 @@ mod tests {
         assert!(one::<bool>("SELECT dedup.mark('e1', '1 hour', 'renewed')"));
         assert_eq!(one::<i64>("SELECT dedup.purge('renewed')"), 0);
         assert!(one::<bool>("SELECT dedup.seen('e1', 'renewed')"));
+    }
+
+    #[pg_test]
+    fn purge_deletes_expired_marks_only_up_to_max_rows() {
+        run("SELECT dedup.create_inbox('api_purge')");
+        run(
+            "INSERT INTO dedup.inbox_api_purge SELECT 'old-' || g, now() - interval '1 minute' FROM generate_series(1, 30) g;
+             INSERT INTO dedup.inbox_api_purge SELECT 'live-' || g, now() + interval '1 hour' FROM generate_series(1, 5) g",
+        );
+        assert_eq!(one::<i64>("SELECT dedup.purge('api_purge', 10)"), 10);
+        assert_eq!(one::<i64>("SELECT dedup.purge('api_purge', 0)"), 0);
+        assert_eq!(one::<i64>("SELECT dedup.purge('api_purge')"), 20);
+        assert_eq!(count("dedup.inbox_api_purge"), 5, "live marks stay");
+    }
+    #[pg_test]
+    fn purge_without_an_inbox_purges_every_inbox() {
+        run("SELECT dedup.create_inbox('api_p1'); SELECT dedup.create_inbox('api_p2')");
+        run(
+            "INSERT INTO dedup.inbox_api_p1 VALUES ('x', now() - interval '1 minute');
+             INSERT INTO dedup.inbox_api_p2 VALUES ('x', now() - interval '1 minute'), ('y', now() - interval '1 minute')",
+        );
+        assert!(one::<i64>("SELECT dedup.purge()") >= 3);
+        assert_eq!(count("dedup.inbox_api_p1") + count("dedup.inbox_api_p2"), 0);
     }
 }

@@ -2,7 +2,7 @@
 //! created by a restore or whose trigger was repaired, and when a rotation makes a fresh generation to shed expired
 //! marks. Also the background worker's upkeep of the filter (`repair_triggers`, then `look_after_filter`).
 
-use crate::errors::{raise, server_log};
+use crate::errors::{self, raise, server_log};
 use crate::filter::{self, RebuildGuard};
 use crate::shmem::{self, namespace};
 use crate::trigger::{self, State};
@@ -66,17 +66,9 @@ pub fn run(rotate: bool) -> Option<Rebuilt> {
 fn load_inbox(guard: &RebuildGuard, target: usize, relid: pg_sys::Oid) -> Result<i64, Skipped> {
     // RowExclusiveLock, taken only if free right now: while the table is read no one can change its trigger (that
     // takes ShareRowExclusiveLock), and writers are not held up. The lock lasts until the transaction ends.
-    // SAFETY: a conditional lock by oid, then a check that the table still exists under it.
-    let locked = unsafe {
-        pg_sys::ConditionalLockRelationOid(relid, pg_sys::RowExclusiveLock as pg_sys::LOCKMODE)
-            && pg_sys::SearchSysCacheExists(
-                pg_sys::SysCacheIdentifier::RELOID as i32,
-                relid.into_datum().expect("an oid is a datum"),
-                pg_sys::Datum::from(0),
-                pg_sys::Datum::from(0),
-                pg_sys::Datum::from(0),
-            )
-    };
+    // SAFETY: a conditional lock by oid; then a check that the table still exists under it.
+    let locked = unsafe { pg_sys::ConditionalLockRelationOid(relid, pg_sys::RowExclusiveLock as pg_sys::LOCKMODE) }
+        && catalog::relation_exists(relid);
     if !locked {
         return Err(Skipped::Busy);
     }
@@ -107,48 +99,52 @@ fn load_inbox(guard: &RebuildGuard, target: usize, relid: pg_sys::Oid) -> Result
 /// # Safety
 /// `rel` must be an open inbox table.
 unsafe fn scan_ids(rel: pg_sys::Relation, mut load: impl FnMut(&[u64])) -> i64 {
-    let ns = namespace((*rel).rd_id);
-    let mut snapshot: pg_sys::SnapshotData = std::mem::zeroed();
-    snapshot.snapshot_type = pg_sys::SnapshotType::SNAPSHOT_DIRTY;
-    // Detoasted ids (a long one can be compressed) live here, freed every batch.
-    let memory = pg_sys::AllocSetContextCreateExtended(
-        pg_sys::CurrentMemoryContext,
-        c"pg_dedup filter load".as_ptr(),
-        pg_sys::ALLOCSET_DEFAULT_MINSIZE as usize,
-        pg_sys::ALLOCSET_DEFAULT_INITSIZE as usize,
-        pg_sys::ALLOCSET_DEFAULT_MAXSIZE as usize,
-    );
-    let scan = pg_sys::table_beginscan(rel, &mut snapshot, 0, std::ptr::null_mut());
-    let slot = pg_sys::table_slot_create(rel, std::ptr::null_mut());
-    let mut hashes = Vec::with_capacity(BATCH);
-    let mut rows = 0i64;
-    loop {
-        let more = pg_sys::table_scan_getnextslot(scan, pg_sys::ScanDirection::ForwardScanDirection, slot);
-        if more {
-            let mut isnull = false;
-            let id = pg_sys::slot_getattr(slot, 1, &mut isnull);
-            if !isnull {
-                let caller = pg_sys::MemoryContextSwitchTo(memory);
-                let text = pg_sys::pg_detoast_datum_packed(id.cast_mut_ptr());
-                hashes.push(pg_dedup_bloom::hash_key(ns, pgrx::varlena::varlena_to_byte_slice(text)));
-                pg_sys::MemoryContextSwitchTo(caller);
-                rows += 1;
+    // SAFETY: the caller vouches for the relation; the scan, its slot and the memory context are made and released here,
+    // and each id is detoasted into that context, which is reset only once its hash is taken.
+    unsafe {
+        let ns = namespace((*rel).rd_id);
+        let mut snapshot: pg_sys::SnapshotData = std::mem::zeroed();
+        snapshot.snapshot_type = pg_sys::SnapshotType::SNAPSHOT_DIRTY;
+        // Detoasted ids (a long one can be compressed) live here, freed every batch.
+        let memory = pg_sys::AllocSetContextCreateExtended(
+            pg_sys::CurrentMemoryContext,
+            c"pg_dedup filter load".as_ptr(),
+            pg_sys::ALLOCSET_DEFAULT_MINSIZE as usize,
+            pg_sys::ALLOCSET_DEFAULT_INITSIZE as usize,
+            pg_sys::ALLOCSET_DEFAULT_MAXSIZE as usize,
+        );
+        let scan = pg_sys::table_beginscan(rel, &mut snapshot, 0, std::ptr::null_mut());
+        let slot = pg_sys::table_slot_create(rel, std::ptr::null_mut());
+        let mut hashes = Vec::with_capacity(BATCH);
+        let mut rows = 0i64;
+        loop {
+            let more = pg_sys::table_scan_getnextslot(scan, pg_sys::ScanDirection::ForwardScanDirection, slot);
+            if more {
+                let mut isnull = false;
+                let id = pg_sys::slot_getattr(slot, 1, &mut isnull);
+                if !isnull {
+                    let caller = pg_sys::MemoryContextSwitchTo(memory);
+                    let text = pg_sys::pg_detoast_datum_packed(id.cast_mut_ptr());
+                    hashes.push(pg_dedup_bloom::hash_key(ns, pgrx::varlena::varlena_to_byte_slice(text)));
+                    pg_sys::MemoryContextSwitchTo(caller);
+                    rows += 1;
+                }
+            }
+            if hashes.len() == BATCH || (!more && !hashes.is_empty()) {
+                load(&hashes);
+                hashes.clear();
+                pg_sys::MemoryContextReset(memory);
+                pg_sys::check_for_interrupts!();
+            }
+            if !more {
+                break;
             }
         }
-        if hashes.len() == BATCH || (!more && !hashes.is_empty()) {
-            load(&hashes);
-            hashes.clear();
-            pg_sys::MemoryContextReset(memory);
-            pg_sys::check_for_interrupts!();
-        }
-        if !more {
-            break;
-        }
+        pg_sys::ExecDropSingleTupleTableSlot(slot);
+        pg_sys::table_endscan(scan);
+        pg_sys::MemoryContextDelete(memory);
+        rows
     }
-    pg_sys::ExecDropSingleTupleTableSlot(slot);
-    pg_sys::table_endscan(scan);
-    pg_sys::MemoryContextDelete(memory);
-    rows
 }
 
 /// `dedup.bloom_rebuild()`: rotate now (fresh generation, reloaded from this database's inboxes).
@@ -172,13 +168,16 @@ fn bloom_rebuild() -> i64 {
     match run(true) {
         Some(done) => {
             for (relid, why) in &done.skipped {
-                let table = catalog::table_name_of(*relid).unwrap_or_default();
+                let table = catalog::qualified_name(*relid).unwrap_or_default();
                 let why = match why {
                     Skipped::Busy => "it is locked by another transaction".to_owned(),
                     Skipped::Unguarded(state) => format!("its {} trigger is {}", trigger::NAME, state.label()),
                     Skipped::NoRoom => format!("shared memory holds at most {} inboxes", shmem::MAX_INBOXES),
                 };
-                notice!("dedup: {table} was not loaded into the Bloom filter: {why}; the worker tries again");
+                errors::notice(
+                    format!("{table} was not loaded into the Bloom filter: {why}; the worker tries again"),
+                    None,
+                );
             }
             done.keys
         }
@@ -267,7 +266,7 @@ fn repair_trigger(relid: pg_sys::Oid) {
     if state == State::Guarding {
         return;
     }
-    let Some(table) = catalog::table_name_of(relid) else { return };
+    let Some(table) = catalog::qualified_name(relid) else { return };
     if trigger::repair(&table, state) {
         server_log!(
             "pg_dedup worker: repaired the {} trigger of {table} (it was {}); reloading it",
@@ -284,7 +283,7 @@ fn report(done: &Rebuilt) {
         if TOLD.with(|told| told.borrow_mut().insert(relid, why)) == Some(why) {
             continue;
         }
-        let table = catalog::table_name_of(relid).unwrap_or_else(|| format!("relation {}", relid.to_u32()));
+        let table = catalog::qualified_name(relid).unwrap_or_else(|| format!("relation {}", relid.to_u32()));
         match why {
             Skipped::Busy => server_log!(
                 "pg_dedup worker: {table} is locked by another transaction; the Bloom filter does not answer for it \

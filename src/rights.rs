@@ -10,7 +10,7 @@
 //! Inside both, `search_path` is `pg_catalog, pg_temp`; every statement is schema-qualified anyway.
 
 use crate::errors::{internal, raise};
-use crate::{guc, ports};
+use crate::{catalog, guc};
 use pgrx::prelude::*;
 
 const SAFE_SEARCH_PATH: &std::ffi::CStr = c"pg_catalog, pg_temp";
@@ -33,18 +33,16 @@ fn as_role<R>(role: pg_sys::Oid, extra: u32, f: impl FnOnce() -> R) -> R {
 
 /// Runs `f` with the rights of the owner of table `relid`, as a security-restricted operation.
 pub fn as_table_owner<R>(relid: pg_sys::Oid, f: impl FnOnce() -> R) -> R {
-    let owner =
-        ports::relation_owner(relid).unwrap_or_else(|| internal("finding an inbox table's owner", "no such table"));
+    let owner = catalog::class(relid)
+        .map(|c| c.owner)
+        .unwrap_or_else(|| internal("finding an inbox table's owner", "no such table"));
     as_role(owner, pg_sys::SECURITY_RESTRICTED_OPERATION, f)
 }
 
 /// The extension's owner: the role that ran CREATE EXTENSION, owner of schema dedup and of the registry.
 pub fn extension_owner() -> pg_sys::Oid {
-    let registry = c"inbox_registry";
-    // SAFETY: looks up a relation of schema dedup by name; InvalidOid when missing (a damaged installation).
-    let relid =
-        unsafe { pg_sys::get_relname_relid(registry.as_ptr(), pg_sys::get_namespace_oid(c"dedup".as_ptr(), false)) };
-    ports::relation_owner(relid).unwrap_or_else(|| internal("finding the extension's owner", "no registry"))
+    let relid = catalog::dedup_relation(c"inbox_registry");
+    catalog::class(relid).map(|c| c.owner).unwrap_or_else(|| internal("finding the extension's owner", "no registry"))
 }
 
 /// Runs `f` as the extension's owner, for a caller who may (EXECUTE on the calling function is the grant; the

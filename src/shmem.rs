@@ -17,40 +17,68 @@ const MAGIC: u64 = 0x7067_5f64_6564_7570; // "pg_dedup"
 /// The key of an entry that was freed: searches go on past it, and a new inbox may take it.
 const TOMBSTONE: u64 = u64::MAX;
 
+/// Every per-inbox counter, in one list: its variant, its column in `dedup.stats`, and what it counts. Everything
+/// else is derived from it: the enum, the counters `dedup.inbox_figures()` returns by name, and the `#[pg_test]`
+/// (stats.rs) that each is a column of `dedup.stats` and documented in docs/reference.md. Adding one: a line here, a
+/// column of the view (sql/finalize.sql, and the upgrade script), a row in the reference (docs/architecture.md).
 macro_rules! counters {
-    ($($name:ident,)*) => {
+    ($($(#[doc = $doc:literal])+ $name:ident => $column:literal,)*) => {
         /// Per-inbox counters shown in `dedup.stats`.
-        #[derive(Clone, Copy)]
+        #[derive(Clone, Copy, Debug, PartialEq, Eq)]
         pub enum Counter {
-            $($name,)*
+            $($(#[doc = $doc])+ $name,)*
         }
 
         /// How many counters each inbox has.
         pub const COUNTERS: usize = [$(Counter::$name),*].len();
+
+        impl Counter {
+            /// Every counter, in the list's order.
+            pub const ALL: [Counter; COUNTERS] = [$(Counter::$name),*];
+
+            /// Its column in `dedup.stats`.
+            pub fn column(self) -> &'static str {
+                match self {
+                    $(Counter::$name => $column,)*
+                }
+            }
+        }
     };
 }
 
 counters! {
-    Marks,
-    Duplicates,
-    Renewals,
-    Lookups,
-    CertainlyNew,
-    FalsePositives,
-    Purged,
-    // claim(): keys claimed, replays of completed keys, in_progress answers, fingerprint mismatches, and keys
-    // taken over from a lease that passed.
-    ClaimsNew,
-    ClaimsCompleted,
-    ClaimsInProgress,
-    FingerprintMismatches,
-    LeaseTakeovers,
-    // advance(): positions moved forward, and stale or repeated positions refused.
-    Advances,
-    StaleAdvances,
-    // Tables attached with attach(): rows let through, and rows dropped as duplicates.
-    RowsPassed,
-    RowsDropped,
+    /// Ids that were new: inserted, or renewed after expiring (mark(), mark_many(), rows of attached tables).
+    Marks => "marks",
+    /// Ids that were duplicates (repeats inside one mark_many() array included).
+    Duplicates => "duplicates",
+    /// Expired rows renewed in place (by a mark or a claim).
+    Renewals => "renewals",
+    /// Ids the filter was asked about.
+    Lookups => "lookups",
+    /// Of the lookups, those the filter ruled out.
+    CertainlyNew => "certainly_new",
+    /// Ids the filter could not rule out that turned out to be new (it said "maybe", the index said no).
+    FalsePositives => "false_positives",
+    /// Expired rows deleted by the workers and by purge().
+    Purged => "purged",
+    /// claim() answered 'new'.
+    ClaimsNew => "claims_new",
+    /// claim() answered 'completed' (a replay).
+    ClaimsCompleted => "claims_completed",
+    /// claim() answered 'in_progress'.
+    ClaimsInProgress => "claims_in_progress",
+    /// claim() refused with PD001: a key reused with another fingerprint.
+    FingerprintMismatches => "fingerprint_mismatches",
+    /// Keys claim() took over from a lease that passed.
+    LeaseTakeovers => "lease_takeovers",
+    /// advance() moved a position forward.
+    Advances => "advances",
+    /// advance() refused a stale or repeated position.
+    StaleAdvances => "stale_advances",
+    /// Rows of attached tables let through (their key was new).
+    RowsPassed => "rows_passed",
+    /// Rows of attached tables dropped or refused as duplicates.
+    RowsDropped => "rows_dropped",
 }
 
 #[repr(C)]

@@ -2,34 +2,77 @@
 //! in shared memory and last until the server restarts, like pg_stat_statements (NULL without preloading).
 
 use crate::filter;
-use crate::inbox::{self, Access, Inbox};
-use crate::shmem::{self, Counter};
+use crate::inbox::{self, Access};
+use crate::jsonb::Jsonb;
+use crate::shmem::{self, Counter, COUNTERS};
 use pgrx::prelude::*;
 use std::sync::atomic::Ordering;
 
-/// Counters of one inbox (None without shared memory).
+/// What `dedup.stats` shows of one inbox.
 struct Figures {
-    counters: Option<&'static shmem::Entry>,
-    /// Expired marks left after the worker's last cycle (None: unknown, or none counted yet).
+    name: String,
+    /// Expired marks left after the worker's last cycle (None: unknown, none counted yet, or no shared memory).
     backlog: Option<i64>,
     trusted: bool,
+    trigger: String,
+    /// Its counters, by `Counter` (None without shared memory).
+    counters: Option<[i64; COUNTERS]>,
 }
 
 impl Figures {
-    fn of(inbox: &Inbox) -> Option<Figures> {
-        let region = shmem::region()?;
-        let counters = region.entry(inbox.ns, false).filter(|e| e.holds(inbox.ns));
-        let backlog = counters.map(|e| e.backlog.load(Ordering::Relaxed)).filter(|b| *b >= 0);
-        Some(Figures { counters, backlog, trusted: inbox.filter().is_some() })
+    fn of(name: String) -> Figures {
+        let inbox = inbox::open(&name, Access::Read);
+        let trigger = if inbox.shape().distributed {
+            "none: distributed".to_owned()
+        } else {
+            inbox.shape().trigger.label().to_owned()
+        };
+        let entry = shmem::region().map(|region| region.entry(inbox.ns, false).filter(|e| e.holds(inbox.ns)));
+        let counters = entry.map(|entry| Counter::ALL.map(|c| entry.map_or(0, |e| e.get(c) as i64)));
+        let backlog = entry.flatten().map(|e| e.backlog.load(Ordering::Relaxed)).filter(|b| *b >= 0);
+        let trusted = entry.is_some() && inbox.filter().is_some();
+        Figures { name, backlog, trusted, trigger, counters }
     }
 
     fn get(&self, counter: Counter) -> Option<i64> {
-        Some(self.counters.map_or(0, |e| e.get(counter) as i64))
+        self.counters.map(|counters| counters[counter as usize])
+    }
+
+    /// The counters as one jsonb object, each under its column's name.
+    fn counters_json(&self) -> Option<Jsonb> {
+        let counters = self.counters?;
+        let fields: Vec<String> =
+            Counter::ALL.iter().zip(counters).map(|(c, n)| format!("\"{}\": {n}", c.column())).collect();
+        Some(Jsonb::parse(&format!("{{{}}}", fields.join(", "))))
     }
 }
 
-/// One inbox's row of `inbox_counters()`.
-type CounterRow = (
+/// Every inbox of this database.
+fn all_figures() -> Vec<Figures> {
+    inbox::all_names().into_iter().map(Figures::of).collect()
+}
+
+/// One row per inbox of this database: its state, and its counters by name (`dedup.stats` spreads them into
+/// columns).
+#[allow(clippy::type_complexity)]
+#[pg_extern(volatile, parallel_safe)]
+fn inbox_figures() -> TableIterator<
+    'static,
+    (
+        name!(inbox, String),
+        name!(backlog, Option<i64>),
+        name!(filter_trusted, bool),
+        name!(filter_trigger, String),
+        name!(counters, Option<Jsonb>),
+    ),
+> {
+    TableIterator::new(
+        all_figures().into_iter().map(|f| (f.name.clone(), f.backlog, f.trusted, f.trigger.clone(), f.counters_json())),
+    )
+}
+
+/// A row of 0.3.0's `inbox_counters()`, the first ten columns of which are a row of 0.1.0's `inbox_stats()`.
+type LegacyRow = (
     String,
     Option<i64>,
     Option<i64>,
@@ -52,52 +95,42 @@ type CounterRow = (
     Option<i64>,
 );
 
-/// Every inbox of this database with its counters.
-fn counter_rows() -> Vec<CounterRow> {
-    inbox::all_names()
+fn legacy_rows() -> Vec<LegacyRow> {
+    use Counter::*;
+    all_figures()
         .into_iter()
-        .map(|name| {
-            let inbox = inbox::open(&name, Access::Read);
-            let trigger = if inbox.shape().distributed {
-                "none: distributed".to_owned()
-            } else {
-                inbox.shape().trigger.label().to_owned()
-            };
-            match Figures::of(&inbox) {
-                Some(f) => (
-                    name,
-                    f.get(Counter::Marks),
-                    f.get(Counter::Duplicates),
-                    f.get(Counter::Renewals),
-                    f.get(Counter::Purged),
-                    f.backlog,
-                    f.get(Counter::Lookups),
-                    f.get(Counter::CertainlyNew),
-                    f.get(Counter::FalsePositives),
-                    f.trusted,
-                    trigger,
-                    f.get(Counter::ClaimsNew),
-                    f.get(Counter::ClaimsCompleted),
-                    f.get(Counter::ClaimsInProgress),
-                    f.get(Counter::FingerprintMismatches),
-                    f.get(Counter::LeaseTakeovers),
-                    f.get(Counter::Advances),
-                    f.get(Counter::StaleAdvances),
-                    f.get(Counter::RowsPassed),
-                    f.get(Counter::RowsDropped),
-                ),
-                None => (
-                    name, None, None, None, None, None, None, None, None, false, trigger, None, None, None, None, None,
-                    None, None, None, None,
-                ),
-            }
+        .map(|f| {
+            (
+                f.name.clone(),
+                f.get(Marks),
+                f.get(Duplicates),
+                f.get(Renewals),
+                f.get(Purged),
+                f.backlog,
+                f.get(Lookups),
+                f.get(CertainlyNew),
+                f.get(FalsePositives),
+                f.trusted,
+                f.trigger.clone(),
+                f.get(ClaimsNew),
+                f.get(ClaimsCompleted),
+                f.get(ClaimsInProgress),
+                f.get(FingerprintMismatches),
+                f.get(LeaseTakeovers),
+                f.get(Advances),
+                f.get(StaleAdvances),
+                f.get(RowsPassed),
+                f.get(RowsDropped),
+            )
         })
         .collect()
 }
 
-// The result columns are spelt out in the signature: that is how pgrx names them.
+/// `dedup.inbox_counters()` of pg_dedup 0.3.0, which its install script names and whose row `dedup.stats` read there
+/// (not part of 0.4.0's schema): a database whose extension is not updated yet reads its stats through it. Frozen:
+/// new counters go into `inbox_figures()` only.
 #[allow(clippy::type_complexity)]
-#[pg_extern(volatile, parallel_safe)]
+#[pg_extern(volatile, parallel_safe, sql = false)]
 fn inbox_counters() -> TableIterator<
     'static,
     (
@@ -123,11 +156,11 @@ fn inbox_counters() -> TableIterator<
         name!(rows_dropped, Option<i64>),
     ),
 > {
-    TableIterator::new(counter_rows())
+    TableIterator::new(legacy_rows())
 }
 
-/// `dedup.inbox_stats()` of pg_dedup 0.1.0 and 0.2.0 (not part of 0.3.0's schema): their install scripts name it,
-/// and a database whose extension is not updated yet reads `dedup.stats` through it. The first ten columns of
+/// `dedup.inbox_stats()` of pg_dedup 0.1.0 and 0.2.0 (not part of 0.3.0's schema or later): their install scripts
+/// name it, and a database whose extension is not updated yet reads `dedup.stats` through it. Frozen, like
 /// `inbox_counters()`.
 #[allow(clippy::type_complexity)]
 #[pg_extern(volatile, parallel_safe, sql = false)]
@@ -146,7 +179,7 @@ fn inbox_stats() -> TableIterator<
         name!(filter_trusted, bool),
     ),
 > {
-    TableIterator::new(counter_rows().into_iter().map(|r| (r.0, r.1, r.2, r.3, r.4, r.5, r.6, r.7, r.8, r.9)))
+    TableIterator::new(legacy_rows().into_iter().map(|r| (r.0, r.1, r.2, r.3, r.4, r.5, r.6, r.7, r.8, r.9)))
 }
 
 // The result columns are spelt out in the signature: that is how pgrx names them.
@@ -251,5 +284,26 @@ mod tests {
             one::<String>("SELECT filter_trigger || ' ' || filter_trusted FROM dedup.stats WHERE inbox = 'st_trigger'"),
             "disabled false"
         );
+    }
+
+    #[pg_test]
+    fn stats_every_counter_is_a_column_of_dedup_stats_and_documented() {
+        run("SELECT dedup.create_inbox('st_all')");
+        let inbox = crate::inbox::open("st_all", crate::inbox::Access::Mark);
+        // A value of its own for each counter: a column that reads another counter shows the wrong one.
+        for (i, counter) in super::Counter::ALL.iter().enumerate() {
+            inbox.count(*counter, 100 + i as u64);
+        }
+        let reference = include_str!("../docs/reference.md");
+        let stats_section = &reference[reference.find("## `dedup.stats`").expect("documented")..];
+        for (i, counter) in super::Counter::ALL.iter().enumerate() {
+            let column = counter.column();
+            let shown = one::<i64>(&format!("SELECT {column} FROM dedup.stats WHERE inbox = 'st_all'"));
+            assert_eq!(shown, 100 + i as i64, "dedup.stats.{column} shows counter {counter:?}");
+            assert!(
+                stats_section.contains(&format!("| `{column}` | bigint |")),
+                "{column} is not in docs/reference.md"
+            );
+        }
     }
 }

@@ -57,23 +57,26 @@ impl State {
     /// # Safety
     /// `rel` must be an open relation.
     pub unsafe fn of(rel: pg_sys::Relation) -> State {
-        let triggers = (*rel).trigdesc;
-        if triggers.is_null() {
-            return State::Missing;
-        }
-        let all = std::slice::from_raw_parts((*triggers).triggers, (*triggers).numtriggers as usize);
-        let Some(ours) = all.iter().find(|t| is_named_ours(t)) else { return State::Missing };
-        let kind = ours.tgtype as u32;
-        let row_after_insert_update = kind & pg_sys::TRIGGER_TYPE_ROW != 0
-            && kind & (pg_sys::TRIGGER_TYPE_BEFORE | pg_sys::TRIGGER_TYPE_INSTEAD) == 0
-            && kind & pg_sys::TRIGGER_TYPE_INSERT != 0
-            && kind & pg_sys::TRIGGER_TYPE_UPDATE != 0;
-        match ours.tgenabled as u8 {
-            _ if !row_after_insert_update => State::Before,
-            pg_sys::TRIGGER_FIRES_ALWAYS => State::Guarding,
-            pg_sys::TRIGGER_FIRES_ON_ORIGIN => State::OnOrigin,
-            pg_sys::TRIGGER_FIRES_ON_REPLICA => State::OnReplica,
-            _ => State::Disabled,
+        // SAFETY: the caller vouches for the relation; its trigger descriptor is only read.
+        unsafe {
+            let triggers = (*rel).trigdesc;
+            if triggers.is_null() {
+                return State::Missing;
+            }
+            let all = std::slice::from_raw_parts((*triggers).triggers, (*triggers).numtriggers as usize);
+            let Some(ours) = all.iter().find(|t| is_named_ours(t)) else { return State::Missing };
+            let kind = ours.tgtype as u32;
+            let row_after_insert_update = kind & pg_sys::TRIGGER_TYPE_ROW != 0
+                && kind & (pg_sys::TRIGGER_TYPE_BEFORE | pg_sys::TRIGGER_TYPE_INSTEAD) == 0
+                && kind & pg_sys::TRIGGER_TYPE_INSERT != 0
+                && kind & pg_sys::TRIGGER_TYPE_UPDATE != 0;
+            match ours.tgenabled as u8 {
+                _ if !row_after_insert_update => State::Before,
+                pg_sys::TRIGGER_FIRES_ALWAYS => State::Guarding,
+                pg_sys::TRIGGER_FIRES_ON_ORIGIN => State::OnOrigin,
+                pg_sys::TRIGGER_FIRES_ON_REPLICA => State::OnReplica,
+                _ => State::Disabled,
+            }
         }
     }
 
@@ -98,9 +101,13 @@ impl State {
 /// # Safety
 /// `t` must be a trigger of an open relation's trigger descriptor.
 unsafe fn is_named_ours(t: &pg_sys::Trigger) -> bool {
-    std::ffi::CStr::from_ptr(t.tgname).to_bytes() == NAME.as_bytes() && {
-        let function = pg_sys::get_func_name(t.tgfoid);
-        !function.is_null() && std::ffi::CStr::from_ptr(function).to_bytes() == b"inbox_filter_trigger"
+    // SAFETY: the caller vouches for the trigger; its name and the function's are NUL-terminated strings (a missing
+    // function's name is NULL, checked first).
+    unsafe {
+        std::ffi::CStr::from_ptr(t.tgname).to_bytes() == NAME.as_bytes() && {
+            let function = pg_sys::get_func_name(t.tgfoid);
+            !function.is_null() && std::ffi::CStr::from_ptr(function).to_bytes() == b"inbox_filter_trigger"
+        }
     }
 }
 
@@ -109,9 +116,12 @@ unsafe fn is_named_ours(t: &pg_sys::Trigger) -> bool {
 /// # Safety
 /// As for `is_named_ours`.
 pub unsafe fn is_guarding(t: &pg_sys::Trigger) -> bool {
-    is_named_ours(t)
-        && t.tgenabled == pg_sys::TRIGGER_FIRES_ALWAYS as std::ffi::c_char
-        && (t.tgtype as u32) & (pg_sys::TRIGGER_TYPE_BEFORE | pg_sys::TRIGGER_TYPE_INSTEAD) == 0
+    // SAFETY: as for is_named_ours; the other fields are plain values.
+    unsafe {
+        is_named_ours(t)
+            && t.tgenabled == pg_sys::TRIGGER_FIRES_ALWAYS as std::ffi::c_char
+            && (t.tgtype as u32) & (pg_sys::TRIGGER_TYPE_BEFORE | pg_sys::TRIGGER_TYPE_INSTEAD) == 0
+    }
 }
 
 /// The statements that put a guarding trigger on `table` (schema-qualified and quoted).
@@ -134,7 +144,7 @@ pub fn repair(table: &str, state: State) -> bool {
         }
         State::Missing | State::Before => format!("DROP TRIGGER IF EXISTS {NAME} ON {table}; {}", create_sql(table)),
     };
-    crate::xact::undo_on(PgSqlErrorCode::ERRCODE_LOCK_NOT_AVAILABLE, || {
+    crate::xact::unless_it_waits(|| {
         crate::guc::with_setting(c"lock_timeout", c"100ms", || {
             Spi::run(&sql).unwrap_or_else(|e| internal("repairing the filter trigger", e))
         })
@@ -174,7 +184,7 @@ fn watch_ddl(_fcinfo: pg_sys::FunctionCallInfo) {
     for relid in catalog::tables() {
         let state = State::of_table(relid);
         if state != State::Guarding && filter::untrust(namespace(relid)) {
-            let table = catalog::table_name_of(relid).unwrap_or_default();
+            let table = catalog::qualified_name(relid).unwrap_or_default();
             server_log!(
                 "pg_dedup: the Bloom filter stops answering for {table} until its {NAME} trigger is repaired (it is {})",
                 state.label()

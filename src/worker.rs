@@ -23,7 +23,7 @@ const NAP: Duration = Duration::from_secs(1);
 
 /// Has this process been asked to stop? pgrx's `sigterm_received()` (which `wait_latch()` reads too) clears the flag
 /// as it reads it, so the first reader remembers it here for the others: a SIGTERM that stopped a purge cycle between
-/// two batches must still make the worker leave (before, it was consumed there and a terminated worker ran on).
+/// two batches must still make the worker leave.
 static STOPPING: AtomicBool = AtomicBool::new(false);
 
 fn stopping() -> bool {
@@ -169,6 +169,7 @@ fn serving(pid: i32, db: pg_sys::Oid) -> bool {
     // SAFETY: looks the pid up in the shared process array (under its lock); the PGPROC it returns stays in shared
     // memory, and only its database is read.
     let proc = unsafe { pg_sys::BackendPidGetProc(pid) };
+    // SAFETY: a PGPROC found above, in shared memory for the life of the server.
     !proc.is_null() && unsafe { (*proc).databaseId } == db
 }
 
@@ -261,7 +262,7 @@ pub extern "C-unwind" fn pg_dedup_worker_main(arg: pg_sys::Datum) {
         // SAFETY: called outside any transaction, as a backend does when it goes idle.
         let _ = unsafe { pg_sys::pgstat_report_stat(false) };
         // Wake for the next purge or the next look at the filter, whichever comes first (with purging off, only
-        // the latter: before, an idle worker with `dedup.purge = off` woke every 10 ms).
+        // the latter).
         let until_purge = match (guc::PURGE.get(), last_purge) {
             (false, _) => NAP,
             (true, None) => Duration::ZERO,

@@ -29,6 +29,12 @@ pub fn undo_on<R>(expected: PgSqlErrorCode, body: impl FnOnce() -> R) -> Option<
     }
 }
 
+/// Runs `body`, which gives up waiting for a lock once its short lock_timeout passes, in a subtransaction: None, with
+/// everything it did undone, when it gave up.
+pub fn unless_it_waits<R>(body: impl FnOnce() -> R) -> Option<R> {
+    undo_on(PgSqlErrorCode::ERRCODE_LOCK_NOT_AVAILABLE, body)
+}
+
 /// The SQLSTATE of a caught error.
 pub fn code_of(error: &pg_sys::panic::CaughtError) -> PgSqlErrorCode {
     report_of(error).sql_error_code()
@@ -105,9 +111,9 @@ pub fn try_transaction<R>(body: impl FnOnce() -> R + std::panic::UnwindSafe) -> 
     .catch_others(|caught| {
         let report = report_of(&caught);
         let error = (report.sql_error_code(), report.message().to_owned());
-        // SAFETY: aborting releases the snapshot and everything else the transaction held; a statement timeout the
-        // body armed (purge batches) must not fire in the next transaction.
+        // A statement timeout the body armed (purge batches) must not fire in the next transaction.
         ports::disable_statement_timeout();
+        // SAFETY: aborting releases the snapshot and everything else the transaction held.
         unsafe {
             pg_sys::AbortCurrentTransaction();
             pg_sys::MemoryContextSwitchTo(context);

@@ -1,4 +1,4 @@
-//! Issue 16: distributed inboxes on a real three-node Citus cluster (a coordinator and two workers on this machine).
+//! Distributed inboxes on a real three-node Citus cluster (a coordinator and two workers on this machine).
 //! Needs Citus installed into the PostgreSQL under test (scripts/setup.sh builds it into PostgreSQL 18 from
 //! ../shared/vendor/citus-14.0.1.tar.gz, or CITUS_SOURCE); without it every test here says so and passes.
 

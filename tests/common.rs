@@ -1,5 +1,6 @@
 //! Shared by every integration test binary: one throwaway cluster per binary (each test takes its own database),
-//! and helpers to assert on `dedup:` errors.
+//! and helpers to assert on `dedup:` errors. A suite run twice (tests/suites/, once on each server) gets its server
+//! from the root file that includes it, not from here.
 
 use pg_dedup_harness::postgres::{self, Client};
 pub use pg_dedup_harness::Cluster;
@@ -7,30 +8,40 @@ use std::process::Command;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-static SHARED: OnceLock<Cluster> = OnceLock::new();
+static PLAIN: OnceLock<Cluster> = OnceLock::new();
+static PRELOADED: OnceLock<Cluster> = OnceLock::new();
 
 extern "C" fn destroy_shared() {
-    if let Some(cluster) = SHARED.get() {
+    for cluster in [&PLAIN, &PRELOADED].into_iter().filter_map(|c| c.get()) {
         cluster.destroy();
     }
 }
 
-/// The cluster shared by the tests of this binary; stopped when the test process exits. A binary whose name ends
-/// in `_filtered` (see Cargo.toml) runs the same tests on a preloaded server, where the Bloom filter answers and
-/// certainly-new ids take the bulk insert instead of INSERT ... ON CONFLICT.
-pub fn cluster() -> &'static Cluster {
-    SHARED.get_or_init(|| {
-        // SAFETY: registering a plain extern "C" function with no captured state.
+fn shared(cell: &'static OnceLock<Cluster>, start: impl FnOnce() -> Cluster) -> &'static Cluster {
+    cell.get_or_init(|| {
+        // SAFETY: registering a plain extern "C" function with no captured state (twice at most; it destroys
+        // whichever servers were started).
         unsafe { libc::atexit(destroy_shared) };
-        let binary = std::env::current_exe().expect("the test binary's path");
-        let name = binary.file_name().and_then(|n| n.to_str()).unwrap_or_default();
-        // Cargo names a test binary `<target>-<hash>`.
-        if name.rsplit_once('-').is_some_and(|(target, _)| target.ends_with("_filtered")) {
-            preloaded("postgres", &[])
-        } else {
-            Cluster::start(&[])
-        }
+        start()
     })
+}
+
+/// The server a test binary shares (each test takes its own database), pg_dedup not preloaded: every call goes to
+/// the index. Stopped when the test process exits.
+pub fn plain_server() -> &'static Cluster {
+    shared(&PLAIN, || Cluster::start(&[]))
+}
+
+/// The same with pg_dedup preloaded, its worker looking after database `postgres` only (so not after the tests'
+/// databases): the Bloom filter answers, and certainly-new ids go straight into heap and indexes. The `_filtered`
+/// binaries run their suite on it.
+pub fn preloaded_server() -> &'static Cluster {
+    shared(&PRELOADED, || preloaded("postgres", &[]))
+}
+
+/// The server of the binaries that are no suite: `plain_server()`.
+pub fn cluster() -> &'static Cluster {
+    plain_server()
 }
 
 /// A fresh database with pg_dedup installed, on the shared cluster.

@@ -1,5 +1,5 @@
 //! The filter's one promise, `seen()` never denies a committed mark, in the four places a hostile pass broke it
-//! (issue 12, item 2): prepared transactions across a restart, a rebuild run inside an old snapshot, an owner's
+//! (every way one was found): prepared transactions across a restart, a rebuild run inside an old snapshot, an owner's
 //! trigger that rewrites ids, and a filter trigger disabled or left in origin mode (`pg_restore --disable-triggers`).
 
 use pg_dedup_harness::postgres::Client;

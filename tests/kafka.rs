@@ -33,24 +33,6 @@ const MEMBERS: usize = 4;
 /// run may kill none; both killing none (about 1 in 20,000) fails the road's test.
 const SHAPES: [(usize, f64); 2] = [(1, 0.015), (10, 0.14)];
 
-static CLUSTER: OnceLock<Cluster> = OnceLock::new();
-
-extern "C" fn destroy_cluster() {
-    if let Some(cluster) = CLUSTER.get() {
-        cluster.destroy();
-    }
-}
-
-/// The server shared by this binary's tests (each takes its own database), with the filter answering as in the
-/// demo.
-fn cluster() -> &'static Cluster {
-    CLUSTER.get_or_init(|| {
-        // SAFETY: registering a plain extern "C" function with no captured state.
-        unsafe { libc::atexit(destroy_cluster) };
-        preloaded("postgres", &[])
-    })
-}
-
 /// Are Tansu and the example's Python (scripts/setup.sh installs both) there? When not, says so once and the
 /// tests skip, unless PG_DEDUP_REQUIRE_KAFKA=1 (CI), where a missing install fails.
 fn installed() -> bool {
@@ -87,7 +69,7 @@ fn seed() -> u64 {
 fn replay_through_kafka(road: Road, batch: usize, crash_rate: f64) -> Option<u64> {
     let tansu = broker()?;
     let name = format!("kafka_{}_{batch}", road.name());
-    let mut admin = cluster().fresh_db(&name);
+    let mut admin = preloaded_server().fresh_db(&name);
     replay::prepare(&mut admin).unwrap();
     let seed = seed();
     let _seed = SeedOnFailure("the Kafka replay", "KAFKA_SEED", seed);
@@ -95,7 +77,7 @@ fn replay_through_kafka(road: Road, batch: usize, crash_rate: f64) -> Option<u64
     let events = replay::events(&name, EVENTS, &mut rng);
     let stream = replay::publish(&events, DUPLICATE_RATE, &mut rng);
     let (traffic, tally) = (Traffic::default(), Tally::default());
-    let postgres = format!("{} application_name={name}", cluster().conn_string(&name, "postgres"));
+    let postgres = format!("{} application_name={name}", preloaded_server().conn_string(&name, "postgres"));
     let program = Program { path: env!("CARGO_BIN_EXE_kafka_member").into(), args: vec![] };
     let bootstrap = tansu.bootstrap();
     let run = Run {
@@ -201,7 +183,7 @@ fn example_consumer(road: Road) {
     let Some(tansu) = broker() else { return };
     let python = python();
     let name = format!("kafka_example_{}", road.name());
-    let mut admin = cluster().fresh_db(&name);
+    let mut admin = preloaded_server().fresh_db(&name);
     replay::prepare(&mut admin).unwrap();
     // Slow enough per update that the kill lands while it is applying, not after.
     admin
@@ -222,7 +204,7 @@ fn example_consumer(road: Road) {
         let mut consumer = Command::new(&python)
             .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/kafka_consumer/consumer.py"))
             .args(["--bootstrap", &bootstrap, "--road", road.name(), "--batch", "10", "--session-timeout-ms", "1500"])
-            .env("DATABASE_URL", cluster().conn_string(&name, "postgres"))
+            .env("DATABASE_URL", preloaded_server().conn_string(&name, "postgres"))
             .stdout(Stdio::piped())
             .spawn()
             .expect("start examples/kafka_consumer/consumer.py");

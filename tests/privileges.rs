@@ -1,4 +1,4 @@
-//! Who may create, drop and change what in schema dedup (issue 12, item 1): an inbox administrator creates, grants
+//! Who may create, drop and change what in schema dedup: an inbox administrator creates, grants
 //! and drops inboxes through the functions, which check it themselves, and can neither plant code in the schema,
 //! rewrite the registry, nor attach code to the inbox tables; calls qualified with `dedup.` reach pg_dedup whatever
 //! overloads are planted on the caller's search_path.

@@ -1,4 +1,4 @@
-//! Memory, encodings and errors (issue 12, item 4): `mark_many()` of a million ids stays within 3× the memory of
+//! Memory, encodings and errors: `mark_many()` of a million ids stays within 3× the memory of
 //! the hand-written insert, dropped inboxes do not leak per-backend memory, a non-UTF8 database is refused with a
 //! clear error, `dedup.purge()` leaves a `SET LOCAL` local, concurrent drop/create of an inbox answers "does not
 //! exist", and errors PostgreSQL raises reach the client without a Rust backtrace.

@@ -1,4 +1,4 @@
-//! Nothing a transaction or an inbox owner does may stall pg_dedup (issue 12, item 3): a rebuild never waits for its
+//! Nothing a transaction or an inbox owner does may stall pg_dedup: a rebuild never waits for its
 //! own transaction, a prepared or long transaction stops neither purging nor filter rotations, a slow trigger on one
 //! inbox does not hold up the others' purge, and creating and dropping thousands of inboxes leaves room in shared
 //! memory for the next.

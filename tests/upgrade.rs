@@ -75,6 +75,8 @@ fn every_earlier_release_upgrades_keeping_its_marks_and_ends_up_like_a_fresh_ins
         let name = format!("upgrade_from_{}", version.replace('.', "_"));
         let mut c = database_at(&name, version);
         assert_eq!(&installed_version(&mut c), version);
+        // Before the update, the old SQL reads its stats through the functions the library keeps for it.
+        c.query("SELECT * FROM dedup.stats", &[]).unwrap_or_else(|e| panic!("dedup.stats of {version}: {e}"));
         c.batch_execute("SELECT dedup.create_inbox('orders', '7 days')").unwrap();
         assert_eq!(c.query("SELECT * FROM dedup.mark_many($1)", &[&ids]).unwrap().len(), 500);
         assert!(c.query_one("SELECT dedup.mark('o-1', NULL, 'orders')", &[]).unwrap().get::<_, bool>(0));
@@ -100,7 +102,7 @@ fn every_earlier_release_upgrades_keeping_its_marks_and_ends_up_like_a_fresh_ins
 
 /// 0.2.0's docs had inbox administrators granted CREATE on schema dedup, INSERT and DELETE on the registry and
 /// EXECUTE on the trigger function, and their inboxes were tables they owned: the update takes all of that back
-/// (issue 12), keeps their inboxes working, and says what it could not hand over or remove.
+/// keeps their inboxes working, and says what it could not hand over or remove.
 #[test]
 fn an_update_from_0_2_0_takes_back_what_its_docs_granted() {
     let (mut c, warnings) = {
@@ -195,4 +197,59 @@ fn an_update_from_0_2_0_takes_back_what_its_docs_granted() {
     assert_eq!(sqlstate(&err.expect_err("no CREATE on schema dedup")), "42501");
     let err = admin.batch_execute("DELETE FROM dedup.inbox_registry WHERE name = 'default'");
     assert_eq!(sqlstate(&err.expect_err("no DELETE on the registry")), "42501");
+}
+
+/// An attachment made by 0.3.0 (its trigger without the WHEN clause that names the key) is made again by the update,
+/// so PostgreSQL records what its key uses; one whose table went without pg_dedup seeing it is removed.
+#[test]
+fn an_update_from_0_3_0_records_what_attached_keys_depend_on() {
+    let mut c = database_at("upgrade_attach", "0.3.0");
+    // As 0.3.0's attach() left them: the trigger, enabled always, and the registry row.
+    let attached_as_in_0_3_0 = |table: &str, key: &str| {
+        format!(
+            "CREATE TABLE {table} (event_id text);
+             CREATE TRIGGER zz_dedup_attached BEFORE INSERT ON {table} FOR EACH ROW EXECUTE FUNCTION dedup.attached_insert();
+             ALTER TABLE {table} ENABLE ALWAYS TRIGGER zz_dedup_attached;
+             INSERT INTO dedup.attachment_registry (tbl, key, inbox, on_duplicate) VALUES ('{table}', '{key}', 'default', 'skip');"
+        )
+    };
+    c.batch_execute(&format!(
+        "CREATE FUNCTION public.norm(t text) RETURNS text LANGUAGE plpgsql IMMUTABLE AS $$ BEGIN RETURN lower(t); END $$;
+         {}
+         {}
+         ALTER EVENT TRIGGER dedup_watch_drop DISABLE; DROP TABLE gone; ALTER EVENT TRIGGER dedup_watch_drop ENABLE ALWAYS;
+         INSERT INTO feed VALUES ('A'), ('a');",
+        attached_as_in_0_3_0("feed", "public.norm(event_id)"),
+        attached_as_in_0_3_0("gone", "event_id"),
+    ))
+    .unwrap();
+    // A key 0.3.0 let through that 0.4.0 refuses (a system column): the update goes on, and says which table.
+    c.batch_execute(&attached_as_in_0_3_0("by_ctid", "(ctid)::text")).unwrap();
+    assert_eq!(count(&mut c, "feed"), 1);
+    assert_eq!(count(&mut c, "dedup.attachments"), 3);
+    // A monitoring role as docs/privileges.md of 0.3.0 set it up.
+    c.batch_execute(
+        "DROP ROLE IF EXISTS monitor_030; CREATE ROLE monitor_030 LOGIN; GRANT USAGE ON SCHEMA dedup TO monitor_030;
+         GRANT SELECT ON dedup.stats, dedup.inbox_registry, dedup.inbox_default TO monitor_030;
+         GRANT EXECUTE ON FUNCTION dedup.inbox_counters(), dedup.worker_stats(), dedup.filter_stats() TO monitor_030;",
+    )
+    .unwrap();
+    drop(c);
+    let (mut c, warnings) = connect_keeping_notices(cluster(), "upgrade_attach");
+    c.batch_execute("ALTER EXTENSION pg_dedup UPDATE").unwrap();
+    let warned: Vec<String> = warnings.lock().unwrap().iter().map(|(m, _)| m.clone()).collect();
+    assert!(
+        warned.iter().any(|w| w.contains("by_ctid stays attached as pg_dedup 0.3.0 attached it") && w.contains("ctid")),
+        "{warned:#?}"
+    );
+    let mut monitor = cluster().connect_as("upgrade_attach", "monitor_030");
+    let inboxes: i64 = monitor.query_one("SELECT count(*) FROM dedup.stats", &[]).unwrap().get(0);
+    assert_eq!(inboxes, 1, "the monitoring role still reads dedup.stats (EXECUTE on inbox_figures() came along)");
+    let attached: Vec<String> =
+        c.query("SELECT tbl::text FROM dedup.attachments ORDER BY 1", &[]).unwrap().iter().map(|r| r.get(0)).collect();
+    assert_eq!(attached, ["by_ctid", "feed"], "the attachment of the table that is gone went");
+    let err = c.batch_execute("DROP FUNCTION public.norm(text)").unwrap_err();
+    assert_eq!(sqlstate(&err), "2BP01", "the key's function is now a recorded dependency: {err}");
+    c.batch_execute("INSERT INTO feed VALUES ('A')").unwrap();
+    assert_eq!(count(&mut c, "feed"), 1, "still deduplicated");
 }

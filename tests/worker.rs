@@ -310,7 +310,7 @@ fn an_inbox_owner_cannot_borrow_the_workers_superuser_rights() {
     let mut owner = cluster.connect_as("purge_owner", "inbox_owner");
     // Whenever a row of its inbox is deleted, the owner's trigger leaves a search_path behind that would send an
     // unqualified `=` of the worker's to an operator of the owner's, whose function makes the owner a superuser if
-    // it runs with superuser rights (the attack of issue 12). It also tries that directly.
+    // it runs with superuser rights (the escalation 0.2.0 allowed). It also tries that directly.
     owner
         .batch_execute(
             "CREATE FUNCTION owned.escalate() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN

@@ -1,4 +1,4 @@
-//! Scale-out (issue 16): `mark()` on an inbox distributed with Citus against the hand-written distributed
+//! Scale-out: `mark()` on an inbox distributed with Citus against the hand-written distributed
 //! `INSERT ... ON CONFLICT DO NOTHING` through Citus, new ids, at 1 and 8 clients, sync off, on a three-node cluster
 //! on this machine (a coordinator and two workers). And, for docs/scale-out.md, what the hop through the
 //! coordinator costs a mark: the distributed mark against a mark into an inbox of the coordinator itself.

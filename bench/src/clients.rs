@@ -13,7 +13,7 @@ use std::path::Path;
 /// The goal of a single new-id mark against the raw insert (sync off; at the client counts listed).
 const SINGLE_GOAL: Goal = Goal::AtLeast(1.1);
 const SINGLE_GOAL_CLIENTS: [u32; 2] = [1, 8];
-/// A duplicate, at the same client counts (issue 17): the direct read of the primary key against ON CONFLICT's.
+/// A duplicate, at the same client counts: the direct read of the primary key against ON CONFLICT's.
 const DUPLICATE_GOAL: Goal = Goal::AtLeast(1.05);
 
 /// Creates `raw`, a table identical to the inbox table `inbox` (columns, collation, indexes, reloptions; no

@@ -7,7 +7,7 @@ use crate::{alternate, alternate_samples, median, timed, verbose, Goal, Row, Sca
 use pg_dedup_harness::postgres::Client;
 use std::time::{Duration, Instant};
 
-/// The worker against the hand-written batched DELETE (issue 17), on a backlog and in the steady state.
+/// The worker against the hand-written batched DELETE, on a backlog and in the steady state.
 const PURGE_GOAL: Goal = Goal::AtLeast(1.0);
 /// Foreground mark() p99 while the worker purges, against idle.
 const P99_GOAL: Goal = Goal::AtMost(1.3);
@@ -199,7 +199,7 @@ pub fn scenarios(c: &mut Client, pgbench: &Pgbench, scale: &Scale) -> Vec<Row> {
     rows
 }
 
-/// The steady state users live in (issue 17): an inbox of `scale.steady_rows` marks of which a tenth has expired,
+/// The steady state users live in: an inbox of `scale.steady_rows` marks of which a tenth has expired,
 /// purged while `MARKERS` pgbench clients mark new ids into it — by the worker without pauses and by the
 /// hand-written DELETE (the rates compared: same batches, one transaction each), by the worker at its default
 /// pace (`dedup.purge_batch_delay` 10 ms), or not at all (idle). Each round starts from the same table: the

@@ -1,4 +1,4 @@
-//! Idempotency keys (issue 14): `claim()` + `complete()` with a 1 kB result against what teams write by hand (an
+//! Idempotency keys: `claim()` + `complete()` with a 1 kB result against what teams write by hand (an
 //! `idempotency_keys` table: INSERT ... ON CONFLICT DO NOTHING, SELECT ... FOR UPDATE, UPDATE of the response), for
 //! new keys and for replays, at 1 and 8 clients, sync off, one request per transaction. And what the claim columns
 //! cost a plain mark: bytes and WAL per mark of an inbox (six columns, four NULL) against a table of pg_dedup

@@ -1,4 +1,4 @@
-//! Issue 15: a COPY of rows with 20% duplicates into a table attached with `dedup.attach()`, against the way people
+//! A COPY of rows with 20% duplicates into a table attached with `dedup.attach()`, against the way people
 //! load such feeds today (COPY into a temp table, then `INSERT ... SELECT ... ON CONFLICT` into a keys table and
 //! the target table, in one transaction), and against a bare COPY that deduplicates nothing. Every round loads the
 //! same file into empty tables (the keys of earlier rounds truncated away). The keys table has the inbox's two

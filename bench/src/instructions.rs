@@ -75,7 +75,7 @@ pub fn scenarios(scale: &Scale) -> Vec<Row> {
             ("raw insert", raw - floor),
             unit,
         ),
-        // Issue 17: a duplicate answered by reading the primary key directly costs less than ON CONFLICT's
+        // A duplicate answered by reading the primary key directly costs less than ON CONFLICT's
         // pre-check and the executor around it.
         Row::new(
             "server instructions per call, duplicate (callgrind)",

@@ -1,4 +1,4 @@
-//! Restart to ready (issue 17): after a restart the shared filter is empty, and every call goes through the index
+//! Restart to ready: after a restart the shared filter is empty, and every call goes through the index
 //! until the worker has reloaded it. On a cluster of its own, so that its marks weigh on no other section (and no
 //! other section's on its reloads): `scale.restart_marks` live marks in 4 inboxes, then, alternately, three
 //! restarts:
@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 const INBOXES: i64 = 4;
 const CLIENTS: u32 = 4;
-/// Issue 17's budget: ready within 15 s per 10 million marks on this machine kind.
+/// The budget: ready within 15 s per 10 million marks on this machine kind.
 const SECONDS_PER_10M: f64 = 15.0;
 /// Throughput while the filter reloads, against no filter.
 const DURING_GOAL: Goal = Goal::AtLeast(0.8);

@@ -7,21 +7,25 @@
 //! under `session_replication_role = replica` (logical replication, some restores). Its name sorts after the
 //! usual names of triggers, and BEFORE triggers fire in name order: the key is computed from the row as the other
 //! BEFORE triggers left it, and a trigger that drops the row fires before ours has marked anything. On a
-//! partitioned table the trigger is cloned onto every partition, present and future.
+//! partitioned table the trigger is cloned onto every partition, present and future. Its WHEN clause names the key
+//! (and is always true): so PostgreSQL records what the key depends on, as for an index expression, and refuses to
+//! drop a function or column the key uses (`key`).
 //!
-//! Attachments are rows of `dedup.attachment_registry`, written only by the extension's owner: `attach()` and
-//! `detach()` check their caller (the table's owner, who must also be allowed to mark in the inbox) and then act
-//! as that owner. The trigger finds its attachment by table, never by its arguments, so a trigger someone creates
-//! by hand with our function cannot point it at another inbox; and it marks with the rights of the role inserting
-//! the row, who needs what `mark()` needs on the inbox's table. `DROP TABLE` removes the attachment
-//! (`watch_drop`, an event trigger); `drop_inbox()` refuses an inbox that attached tables use.
+//! Attachments are rows of `dedup.attachment_registry` (`registry`), written by the extension's owner: `attach()`
+//! and `detach()` check their caller (the table's owner, who must also be allowed to mark in the inbox) and then
+//! act as that owner. The trigger finds its attachment by table, never by its arguments, so a trigger someone
+//! creates by hand with our function cannot point it at another inbox; and it marks with the rights of the role
+//! inserting the row, who needs what `mark()` needs on the inbox's table. An attachment lives as long as its
+//! trigger: `watch_drop`, an event trigger, removes it when a DROP takes the table or the trigger, and every
+//! `attach()`, `detach()` and `drop_inbox()` prunes attachments whose table went some other way.
 
 mod key;
+mod registry;
 mod row_trigger;
 
 use crate::errors::{internal, raise};
 use crate::inbox::{self, Access};
-use crate::{guc, input, ports, rights};
+use crate::{catalog, guc, input, ports, rights};
 use pgrx::prelude::*;
 
 /// The trigger's name (see the module comment for why it sorts last).
@@ -58,38 +62,40 @@ impl OnDuplicate {
     }
 }
 
-/// The schema-qualified, quoted name of relation `relid` (None if it is gone).
-fn qualified_name(relid: pg_sys::Oid) -> Option<String> {
-    // SAFETY: catalog lookups by oid; each returns a palloc'd copy or NULL when the relation is gone.
-    unsafe {
-        let name = pg_sys::get_rel_name(relid);
-        let schema = pg_sys::get_namespace_name(pg_sys::get_rel_namespace(relid));
-        (!name.is_null() && !schema.is_null()).then(|| {
-            pgrx::spi::quote_qualified_identifier(
-                std::ffi::CStr::from_ptr(schema).to_string_lossy(),
-                std::ffi::CStr::from_ptr(name).to_string_lossy(),
-            )
-        })
+/// Why `attach()` or `detach()` opens a table: a temporary table may be detached (an attachment pg_dedup 0.3.0
+/// let through), never attached.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Purpose {
+    Attach,
+    Detach,
+}
+
+impl Purpose {
+    fn function(self) -> &'static str {
+        match self {
+            Purpose::Attach => "attach",
+            Purpose::Detach => "detach",
+        }
     }
 }
 
-/// Opens table `tbl` for attach() or detach(), locked as CREATE TRIGGER locks it, after checking that it is a table
-/// (or a partitioned one) that is not pg_dedup's own, and that the caller owns it. Returns it with its name.
-fn open_table(function: &str, tbl: Option<pg_sys::Oid>) -> (pg_sys::Relation, String) {
-    let relid = tbl.unwrap_or_else(|| {
+/// Refuses what `attach()` or `detach()` must not touch, from the table's pg_class row: not a table, a system
+/// catalog, one of pg_dedup's own, a temporary table (for attach), or one the caller does not own. Decided before any
+/// lock is taken, as ALTER TABLE and LOCK TABLE do, so that a refused caller returns at once instead of queueing a
+/// lock behind the table's writers (and every later writer behind that lock); and again once the table is locked,
+/// as what the row says may have changed meanwhile. Returns the table's qualified name.
+fn check_table(purpose: Purpose, relid: pg_sys::Oid) -> String {
+    let function = purpose.function();
+    let Some(class) = catalog::class(relid) else {
         raise(
-            PgSqlErrorCode::ERRCODE_NULL_VALUE_NOT_ALLOWED,
-            "tbl must not be NULL",
-            format!("Pass the table, e.g. dedup.{function}('public.events')."),
+            PgSqlErrorCode::ERRCODE_UNDEFINED_TABLE,
+            format!("relation with OID {} does not exist", relid.to_u32()),
+            "dedup.attachments lists the attached tables.",
         )
-    });
-    // SAFETY: opens (and locks, until the transaction ends) a relation by oid; raises a clean ERROR if it is gone.
-    let rel = unsafe { pg_sys::relation_open(relid, pg_sys::ShareRowExclusiveLock as pg_sys::LOCKMODE) };
-    let name = qualified_name(relid).unwrap_or_else(|| internal("naming the table", "it has no name"));
-    // SAFETY: reads the open relation's pg_class row.
-    let (kind, namespace) = unsafe { ((*(*rel).rd_rel).relkind as u8, (*(*rel).rd_rel).relnamespace) };
-    if kind != pg_sys::RELKIND_RELATION && kind != pg_sys::RELKIND_PARTITIONED_TABLE {
-        let what = match kind {
+    };
+    let name = catalog::qualified_name(relid).unwrap_or_else(|| internal("naming the table", "it has no name"));
+    if class.kind != pg_sys::RELKIND_RELATION && class.kind != pg_sys::RELKIND_PARTITIONED_TABLE {
+        let what = match class.kind {
             pg_sys::RELKIND_VIEW => "a view",
             pg_sys::RELKIND_FOREIGN_TABLE => "a foreign table",
             pg_sys::RELKIND_MATVIEW => "a materialized view",
@@ -101,12 +107,27 @@ fn open_table(function: &str, tbl: Option<pg_sys::Oid>) -> (pg_sys::Relation, St
             "Attach the table the rows are inserted into (for a partitioned table, its parent).",
         )
     }
-    // SAFETY: a schema lookup by name; missing_ok = false raises a clean ERROR.
-    if namespace == unsafe { pg_sys::get_namespace_oid(c"dedup".as_ptr(), false) } {
+    // SAFETY: namespace tests by oid.
+    if unsafe { pg_sys::IsCatalogNamespace(class.namespace) || pg_sys::IsToastNamespace(class.namespace) } {
+        raise(
+            PgSqlErrorCode::ERRCODE_WRONG_OBJECT_TYPE,
+            format!("{name} is a system catalog; {function}() works on the tables of applications"),
+            "Attach the tables your rows are inserted into.",
+        )
+    }
+    if class.namespace == catalog::dedup_namespace() {
         raise(
             PgSqlErrorCode::ERRCODE_WRONG_OBJECT_TYPE,
             format!("{name} is one of pg_dedup's own tables"),
             "Attach the tables your rows are inserted into; inbox tables are deduplicated by their primary key.",
+        )
+    }
+    if purpose == Purpose::Attach && class.persistence == pg_sys::RELPERSISTENCE_TEMP {
+        raise(
+            PgSqlErrorCode::ERRCODE_FEATURE_NOT_SUPPORTED,
+            format!("{name} is a temporary table; attach() works on permanent and unlogged tables"),
+            "A temporary table goes at the end of its session (or transaction) without a DROP that pg_dedup could \
+             follow; deduplicate its rows with dedup.mark_many() instead, or attach a permanent table.",
         )
     }
     if !ports::owns_relation(rights::caller(), relid) {
@@ -116,7 +137,53 @@ fn open_table(function: &str, tbl: Option<pg_sys::Oid>) -> (pg_sys::Relation, St
             "Ask the table's owner (or a superuser) to do it.",
         )
     }
-    (rel, name)
+    // The trigger goes onto every partition too, which CREATE TRIGGER allows only with TRIGGER on each (the
+    // extension's owner, which creates it, would skip that check).
+    if purpose == Purpose::Attach && class.kind == pg_sys::RELKIND_PARTITIONED_TABLE {
+        let refused: Option<String> = Spi::get_one_with_args(
+            "SELECT pg_catalog.string_agg(t.relid::pg_catalog.regclass::pg_catalog.text, ', ')
+               FROM pg_catalog.pg_partition_tree($1) t
+              WHERE t.relid OPERATOR(pg_catalog.<>) $1
+                AND NOT pg_catalog.has_table_privilege($2, t.relid, 'TRIGGER')",
+            &[relid.into(), rights::caller().into()],
+        )
+        .unwrap_or_else(|e| internal("checking the partitions' privileges", e));
+        if let Some(refused) = refused {
+            raise(
+                PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
+                format!("permission denied to attach {name}: its trigger would go onto partitions {refused}"),
+                "The caller needs TRIGGER on every partition (their owners have it), as CREATE TRIGGER on the \
+                 partitioned table requires.",
+            )
+        }
+    }
+    name
+}
+
+/// Opens table `relid` for attach() or detach(), locked as CREATE TRIGGER locks it, once `check_table` lets the
+/// caller in (before the lock and again after it). Returns it with its name.
+fn open_table(purpose: Purpose, relid: pg_sys::Oid) -> (pg_sys::Relation, String) {
+    check_table(purpose, relid);
+    // SAFETY: opens (and locks, until the transaction ends) a relation by oid; NULL if it went while we waited.
+    let rel = unsafe { pg_sys::try_relation_open(relid, pg_sys::ShareRowExclusiveLock as pg_sys::LOCKMODE) };
+    if rel.is_null() {
+        raise(
+            PgSqlErrorCode::ERRCODE_UNDEFINED_TABLE,
+            format!("relation with OID {} was dropped while {}() waited for it", relid.to_u32(), purpose.function()),
+            "Nothing was changed.",
+        )
+    }
+    (rel, check_table(purpose, relid))
+}
+
+fn required_table(function: &str, tbl: Option<pg_sys::Oid>) -> pg_sys::Oid {
+    tbl.unwrap_or_else(|| {
+        raise(
+            PgSqlErrorCode::ERRCODE_NULL_VALUE_NOT_ALLOWED,
+            "tbl must not be NULL",
+            format!("Pass the table, e.g. dedup.{function}('public.events')."),
+        )
+    })
 }
 
 /// Deduplicates the rows inserted into `tbl` by `key`, an SQL expression over its columns, marked in `inbox` for
@@ -139,6 +206,7 @@ fn attach(
     on_duplicate: Option<&str>,
 ) {
     input::require_writable("attach");
+    let relid = required_table("attach", tbl);
     let key = key.unwrap_or_else(|| {
         raise(
             PgSqlErrorCode::ERRCODE_NULL_VALUE_NOT_ALLOWED,
@@ -149,16 +217,16 @@ fn attach(
     let ttl = ttl.map(input::ttl);
     let inbox_name = input::inbox_name(inbox);
     let on_duplicate = OnDuplicate::parse(on_duplicate);
-    let (rel, table) = open_table("attach", tbl);
+    let (rel, table) = open_table(Purpose::Attach, relid);
     // The caller must be allowed to mark in the inbox, as the rows' inserters will have to be.
     inbox::open(inbox_name, Access::Mark);
     // SAFETY: the relation is open and locked.
     let key = unsafe {
-        let key = key::canonical(rel, key);
+        let key = key::canonical(rel, key, &table);
         pg_sys::relation_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
         key
     };
-    let relid = tbl.expect("checked by open_table");
+    registry::prune();
     rights::as_extension_owner("attach", || {
         Spi::connect_mut(|client| {
             let related: Option<String> = client
@@ -181,7 +249,29 @@ fn attach(
                     "Attach only the partitioned table at the top: its partitions are covered. Detach the other first.",
                 )
             }
-            let args = [relid.into(), key.as_str().into(), inbox_name.into(), ttl.into(), on_duplicate.label().into()];
+            if registry::foreign_trigger(relid) {
+                raise(
+                    PgSqlErrorCode::ERRCODE_DUPLICATE_OBJECT,
+                    format!("{table} has a trigger named {TRIGGER} that is not pg_dedup's"),
+                    format!("Rename or drop that trigger first (ALTER TRIGGER {TRIGGER} ON {table} RENAME TO ...)."),
+                )
+            }
+            // Re-created even when it exists: every backend's compiled key for the table goes with the relcache
+            // invalidation this causes (also on each partition, whose clone is re-created too). Before the registry
+            // row is written: dropping the old trigger prunes the old row (`watch_drop`). UPDATE and DELETE: see
+            // `row_trigger::Moving`.
+            let ddl = format!(
+                "DROP TRIGGER IF EXISTS {TRIGGER} ON {table}; \
+                 CREATE TRIGGER {TRIGGER} BEFORE INSERT OR UPDATE OR DELETE ON {table} FOR EACH ROW \
+                   EXECUTE FUNCTION dedup.attached_insert(); \
+                 ALTER TABLE {table} ENABLE ALWAYS TRIGGER {TRIGGER}"
+            );
+            // (Without "trigger ... does not exist, skipping" for a first attach.)
+            guc::with_setting(c"client_min_messages", c"warning", || {
+                client.update(&ddl, None, &[]).unwrap_or_else(|e| internal("creating the attachment's trigger", e))
+            });
+            let args =
+                [relid.into(), key.text.as_str().into(), inbox_name.into(), ttl.into(), on_duplicate.label().into()];
             client
                 .update(
                     "INSERT INTO dedup.attachment_registry (tbl, key, inbox, ttl, on_duplicate) \
@@ -191,22 +281,14 @@ fn attach(
                     &args,
                 )
                 .unwrap_or_else(|e| internal("registering the attachment", e));
-            // Re-created even when it exists: every backend's compiled key for the table goes with the relcache
-            // invalidation this causes (also on each partition, whose clone is re-created too).
-            let ddl = format!(
-                "DROP TRIGGER IF EXISTS {TRIGGER} ON {table}; \
-                 CREATE TRIGGER {TRIGGER} BEFORE INSERT ON {table} FOR EACH ROW EXECUTE FUNCTION dedup.attached_insert(); \
-                 ALTER TABLE {table} ENABLE ALWAYS TRIGGER {TRIGGER}"
-            );
-            // (Without "trigger ... does not exist, skipping" for a first attach.)
-            guc::with_setting(c"client_min_messages", c"warning", || {
-                client.update(&ddl, None, &[]).unwrap_or_else(|e| internal("creating the attachment's trigger", e))
-            });
+            // SAFETY: the trigger was just created on the locked table; the expression was analysed against it.
+            unsafe { key::record_dependencies(relid, &key, &table) };
         })
     });
 }
 
-/// Stops deduplicating the inserts of `tbl`: its trigger and its attachment go (the marks stay in the inbox).
+/// Stops deduplicating the inserts of `tbl`: its trigger and its attachment go (the marks stay in the inbox). The
+/// attachment of a table that is gone is removed too.
 #[pg_extern(
     volatile,
     parallel_unsafe,
@@ -217,10 +299,14 @@ fn attach(
 )]
 fn detach(tbl: Option<pg_sys::Oid>) {
     input::require_writable("detach");
-    let (rel, table) = open_table("detach", tbl);
+    let relid = required_table("detach", tbl);
+    // A table that is gone has nobody left to protect: whatever its attachment was, it is pruned now.
+    if catalog::class(relid).is_none() && registry::prune().contains(&relid) {
+        return;
+    }
+    let (rel, table) = open_table(Purpose::Detach, relid);
     // SAFETY: closes what open_table opened, keeping the lock.
     unsafe { pg_sys::relation_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE) };
-    let relid = tbl.expect("checked by open_table");
     rights::as_extension_owner("detach", || {
         Spi::connect_mut(|client| {
             let removed = client
@@ -245,58 +331,50 @@ fn detach(tbl: Option<pg_sys::Oid>) {
     });
 }
 
-/// The event trigger `dedup_watch_drop` (sql_drop): the attachment of a dropped table goes with it.
+/// The event trigger `dedup_watch_drop` (sql_drop): when a DROP took relations or triggers, the attachments left
+/// without their table or trigger go (`registry::prune`, which needs no privilege and switches no role, so that
+/// nobody's DDL fails because of it, in a security-restricted operation too). Any other drop returns at once.
 #[pg_extern(sql = "
     CREATE FUNCTION dedup.watch_drop() RETURNS event_trigger LANGUAGE c
     AS 'MODULE_PATHNAME', 'watch_drop_wrapper';
 ")]
 fn watch_drop(_fcinfo: pg_sys::FunctionCallInfo) {
-    let dropped: Vec<pg_sys::Oid> = Spi::connect(|client| {
-        client
+    let relevant = Spi::connect(|client| {
+        !client
             .select(
-                "SELECT objid FROM pg_catalog.pg_event_trigger_dropped_objects() \
-                  WHERE classid OPERATOR(pg_catalog.=) 'pg_catalog.pg_class'::pg_catalog.regclass \
-                    AND objsubid OPERATOR(pg_catalog.=) 0",
+                "SELECT 1 FROM pg_catalog.pg_event_trigger_dropped_objects() \
+                  WHERE classid OPERATOR(pg_catalog.=) ANY \
+                        (ARRAY['pg_catalog.pg_class'::pg_catalog.regclass, 'pg_catalog.pg_trigger'::pg_catalog.regclass]) \
+                  LIMIT 1",
                 None,
                 &[],
             )
             .unwrap_or_else(|e| internal("listing dropped objects", e))
-            .filter_map(|row| row.get::<pg_sys::Oid>(1).ok().flatten())
-            .collect()
+            .is_empty()
     });
     // DROP EXTENSION pg_dedup (or DROP SCHEMA dedup CASCADE) drops the registry itself: nothing left to clean.
-    // SAFETY: catalog lookups by name; missing_ok = true gives InvalidOid for a schema that is gone.
-    let registry = unsafe {
-        let schema = pg_sys::get_namespace_oid(c"dedup".as_ptr(), true);
-        pg_sys::get_relname_relid(c"attachment_registry".as_ptr(), schema)
-    };
-    if dropped.is_empty() || registry == pg_sys::InvalidOid || dropped.contains(&registry) {
-        return;
+    if relevant && catalog::dedup_relation(c"attachment_registry") != pg_sys::InvalidOid {
+        registry::prune();
     }
-    rights::as_extension_owner("DROP", || {
-        Spi::connect_mut(|client| {
-            client
-                .update(
-                    "DELETE FROM dedup.attachment_registry WHERE tbl::pg_catalog.oid OPERATOR(pg_catalog.=) ANY ($1)",
-                    None,
-                    &[dropped.into()],
-                )
-                .unwrap_or_else(|e| internal("removing the attachments of dropped tables", e));
-        })
-    });
 }
 
-/// The tables attached to inbox `name` (for `drop_inbox()`, which runs as the extension's owner).
-pub fn tables_using(client: &pgrx::spi::SpiClient<'_>, name: &str) -> Vec<String> {
-    client
-        .select(
-            "SELECT tbl::pg_catalog.text FROM dedup.attachment_registry WHERE inbox OPERATOR(pg_catalog.=) $1 ORDER BY 1",
-            None,
-            &[name.into()],
+/// Refuses to drop inbox `name` while attached tables keep their keys in it (for `drop_inbox()`), once stale
+/// attachments are pruned.
+pub fn refuse_to_drop_inbox(name: &str) {
+    registry::prune();
+    let mut tables: Vec<String> = registry::all()
+        .into_iter()
+        .filter(|a| a.inbox == name)
+        .map(|a| catalog::qualified_name(a.tbl).unwrap_or_else(|| a.tbl.to_u32().to_string()))
+        .collect();
+    if !tables.is_empty() {
+        tables.sort();
+        raise(
+            PgSqlErrorCode::ERRCODE_DEPENDENT_OBJECTS_STILL_EXIST,
+            format!("inbox \"{name}\" holds the keys of attached tables: {}", tables.join(", ")),
+            "Detach them first with dedup.detach(), or attach them to another inbox.",
         )
-        .unwrap_or_else(|e| internal("reading dedup.attachment_registry", e))
-        .filter_map(|row| row.get::<String>(1).ok().flatten())
-        .collect()
+    }
 }
 
 #[cfg(any(test, feature = "pg_test"))]
@@ -482,5 +560,272 @@ mod tests {
         run("SELECT dedup.attach('att_life', 'event_id', NULL, 'att_life'); DROP TABLE att_life");
         assert_eq!(count("dedup.attachments"), 0, "DROP TABLE took the attachment with it");
         run("SELECT dedup.drop_inbox('att_life')");
+    }
+
+    #[pg_test]
+    fn attach_refuses_keys_on_system_columns_naming_them() {
+        events("att_sys");
+        for (key, column) in
+            [("ctid::text", "ctid"), ("xmin::text", "xmin"), ("event_id || tableoid::text", "tableoid")]
+        {
+            let sql = format!("SELECT dedup.attach('att_sys', '{key}')");
+            assert_dedup_error(&sql, PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE);
+            let (_, message) = error_of(&sql);
+            assert!(message.contains(&format!("system column {column}")), "{message}");
+        }
+        assert_eq!(count("dedup.attachments"), 0);
+    }
+
+    #[pg_test]
+    fn attach_refuses_keys_on_generated_columns_saying_what_to_use() {
+        run("CREATE TABLE att_gen (raw text, k text GENERATED ALWAYS AS (lower(raw)) STORED)");
+        assert_dedup_error("SELECT dedup.attach('att_gen', 'k')", PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE);
+        let (_, message) = error_of("SELECT dedup.attach('att_gen', 'k || raw')");
+        assert!(message.contains("generated column k") && message.contains("lower(raw)"), "{message}");
+        run("SELECT dedup.attach('att_gen', 'lower(raw)')");
+        run("INSERT INTO att_gen (raw) VALUES ('A'), ('a'), ('b')");
+        assert_eq!(count("att_gen"), 2, "the expression it is generated from works");
+    }
+
+    #[pg_test]
+    fn attach_refuses_temporary_tables_and_system_catalogs() {
+        run("CREATE TEMP TABLE att_tmp (event_id text)");
+        let sql = "SELECT dedup.attach('att_tmp', 'event_id')";
+        assert_dedup_error(sql, PgSqlErrorCode::ERRCODE_FEATURE_NOT_SUPPORTED);
+        let (_, message) = error_of(sql);
+        assert!(message.contains("is a temporary table"), "{message}");
+        let catalog = "SELECT dedup.attach('pg_catalog.pg_class', 'relname::text')";
+        assert_dedup_error(catalog, PgSqlErrorCode::ERRCODE_WRONG_OBJECT_TYPE);
+        assert_eq!(count("dedup.attachments"), 0);
+    }
+
+    #[pg_test]
+    fn attach_an_attachment_whose_table_went_unseen_is_pruned_not_stuck() {
+        // A table that goes without the DROP event trigger seeing it (here: the event trigger is off), as a
+        // temporary table attached with pg_dedup 0.3.0 did at the end of its session.
+        let unseen_drop = |table: &str| {
+            run(&format!(
+                "ALTER EVENT TRIGGER dedup_watch_drop DISABLE; DROP TABLE {table};
+                 ALTER EVENT TRIGGER dedup_watch_drop ENABLE ALWAYS"
+            ))
+        };
+        events("att_gone");
+        run("SELECT dedup.create_inbox('att_gone'); SELECT dedup.attach('att_gone', 'event_id', inbox => 'att_gone')");
+        let relid = one::<pg_sys::Oid>("SELECT 'att_gone'::regclass::oid").to_u32();
+        unseen_drop("att_gone");
+        assert_eq!(count("dedup.attachments"), 1, "left behind");
+        run(&format!("SELECT dedup.detach({relid})"));
+        assert_eq!(count("dedup.attachments"), 0, "detach() of a table that is gone removes its attachment");
+        assert_dedup_error(&format!("SELECT dedup.detach({relid})"), PgSqlErrorCode::ERRCODE_UNDEFINED_TABLE);
+        // And drop_inbox() does not point at an impossible detach.
+        events("att_gone2");
+        run("SELECT dedup.attach('att_gone2', 'event_id', inbox => 'att_gone')");
+        unseen_drop("att_gone2");
+        run("SELECT dedup.drop_inbox('att_gone')");
+        assert_eq!(count("dedup.attachments"), 0);
+    }
+
+    #[pg_test]
+    fn attach_the_attachment_goes_with_its_trigger() {
+        events("att_trig");
+        run("SELECT dedup.attach('att_trig', 'event_id')");
+        run("DROP TRIGGER zz_dedup_attached ON att_trig");
+        assert_eq!(count("dedup.attachments"), 0, "no trigger, no attachment");
+        run("INSERT INTO att_trig (event_id) VALUES ('t'), ('t')");
+        assert_eq!(count("att_trig"), 2);
+    }
+
+    #[pg_test]
+    fn attach_what_the_key_uses_cannot_be_dropped_from_under_it() {
+        run("CREATE FUNCTION att_norm(t text) RETURNS text LANGUAGE plpgsql IMMUTABLE AS
+               $$ BEGIN RETURN lower(t); END $$");
+        events("att_dep");
+        run("SELECT dedup.attach('att_dep', 'att_norm(event_id)')");
+        run("INSERT INTO att_dep (event_id) VALUES ('A'), ('a')");
+        assert_eq!(count("att_dep"), 1);
+        let (code, message) = error_of("DROP FUNCTION att_norm(text)");
+        assert_eq!(code, PgSqlErrorCode::ERRCODE_DEPENDENT_OBJECTS_STILL_EXIST, "{message}");
+        let (code, message) = error_of("ALTER TABLE att_dep DROP COLUMN event_id");
+        assert_eq!(code, PgSqlErrorCode::ERRCODE_DEPENDENT_OBJECTS_STILL_EXIST, "{message}");
+        let (code, message) = error_of("ALTER TABLE att_dep ALTER COLUMN event_id TYPE varchar(100)");
+        assert_eq!(code, PgSqlErrorCode::ERRCODE_FEATURE_NOT_SUPPORTED, "{message}");
+        run("ALTER TABLE att_dep DROP COLUMN source");
+        run("DROP FUNCTION att_norm(text) CASCADE");
+        assert_eq!(count("dedup.attachments"), 0, "the cascade took the trigger, and the attachment with it");
+        run("INSERT INTO att_dep (event_id) VALUES ('a')");
+        assert_eq!(count("att_dep"), 2, "no longer deduplicated, and no error");
+    }
+
+    #[pg_test]
+    fn attach_a_replaced_function_is_used_at_once() {
+        // An SQL function is inlined into the compiled key: replacing it must compile the key again.
+        run("CREATE FUNCTION att_fold(t text) RETURNS text LANGUAGE sql IMMUTABLE AS 'SELECT lower(t)'");
+        events("att_repl");
+        run("SELECT dedup.attach('att_repl', 'att_fold(event_id)')");
+        run("INSERT INTO att_repl (event_id) VALUES ('X')");
+        assert!(one::<bool>("SELECT dedup.seen('x')"));
+        run("CREATE OR REPLACE FUNCTION att_fold(t text) RETURNS text LANGUAGE sql IMMUTABLE AS $$ SELECT upper(t) || '!' $$");
+        run("INSERT INTO att_repl (event_id) VALUES ('y')");
+        assert!(one::<bool>("SELECT dedup.seen('Y!')"), "the new body, not the inlined old one");
+    }
+
+    #[pg_test]
+    fn attach_a_drop_inside_a_restricted_operation_works() {
+        // REFRESH MATERIALIZED VIEW runs the view's query as its owner in a security-restricted operation.
+        run("CREATE TABLE att_scratch (x int);
+             CREATE FUNCTION att_drops(t text) RETURNS int LANGUAGE plpgsql VOLATILE AS
+               $$ BEGIN EXECUTE format('DROP TABLE IF EXISTS %s', t); RETURN 1; END $$;
+             CREATE MATERIALIZED VIEW att_mv AS SELECT att_drops('public.att_scratch') AS x WITH NO DATA");
+        run("REFRESH MATERIALIZED VIEW att_mv");
+        assert_eq!(count("pg_class WHERE relname = 'att_scratch'"), 0, "dropped inside the refresh");
+        // An attached table dropped there loses its attachment too.
+        events("att_scratch2");
+        run("SELECT dedup.attach('att_scratch2', 'event_id')");
+        run("CREATE MATERIALIZED VIEW att_mv2 AS SELECT att_drops('public.att_scratch2') AS x WITH NO DATA");
+        run("REFRESH MATERIALIZED VIEW att_mv2");
+        assert_eq!(count("dedup.attachments"), 0);
+    }
+
+    #[pg_test]
+    fn attach_never_runs_what_a_key_parses_into_with_anyone_elses_rights() {
+        // A constant of a domain runs the domain's CHECK while the key is parsed; the check here records who it ran
+        // as. A table owner's key must only ever be parsed as that owner (never as the extension's owner, a
+        // superuser), and in a security-restricted operation, so that it cannot raise its own rights either.
+        run("CREATE ROLE att_esc; GRANT USAGE ON SCHEMA dedup TO att_esc;
+             GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA dedup TO att_esc;
+             GRANT SELECT ON dedup.inbox_registry TO att_esc;
+             GRANT SELECT, INSERT, UPDATE ON dedup.inbox_default TO att_esc;
+             CREATE TABLE att_esc_log (who text, restricted boolean); GRANT INSERT ON att_esc_log TO PUBLIC;
+             CREATE FUNCTION att_esc_check(t text) RETURNS boolean LANGUAGE plpgsql AS
+               $$ BEGIN INSERT INTO att_esc_log VALUES (current_user, false); RETURN true; END $$;
+             CREATE DOMAIN att_esc_d AS text CHECK (att_esc_check(VALUE));
+             CREATE TABLE att_esc_t (event_id text); ALTER TABLE att_esc_t OWNER TO att_esc");
+        run("SET LOCAL ROLE att_esc");
+        run("SELECT dedup.attach('att_esc_t', 'event_id || array_to_string(''{x}''::att_esc_d[], '''')')");
+        run("RESET ROLE");
+        assert_eq!(column("SELECT DISTINCT who FROM att_esc_log"), ["att_esc"], "parsed as the table's owner only");
+        // A superuser attaching the same table (or the extension's update attaching it again) parses it as its owner.
+        run("DELETE FROM att_esc_log; SELECT dedup.attach('att_esc_t', 'event_id || array_to_string(''{x}''::att_esc_d[], '''')')");
+        assert_eq!(column("SELECT DISTINCT who FROM att_esc_log"), ["att_esc"]);
+    }
+
+    #[pg_test]
+    fn attach_refuses_a_star_and_whole_row_keys() {
+        events("att_star");
+        for key in ["*", "att_star.*", "att_star::text", "att_star.*::text", "to_jsonb(att_star)::text"] {
+            let sql = format!("SELECT dedup.attach('att_star', '{key}')");
+            assert_dedup_error(&sql, PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE);
+        }
+        let (_, message) = error_of("SELECT dedup.attach('att_star', 'att_star::text')");
+        assert!(message.contains("whole row") && message.contains("att_star"), "{message}");
+    }
+
+    #[pg_test]
+    fn attach_an_update_that_moves_a_row_to_another_partition_keeps_it() {
+        for on_duplicate in ["skip", "error"] {
+            let t = format!("att_move_{on_duplicate}");
+            run(&format!(
+                "CREATE TABLE {t} (event_id text, day int) PARTITION BY RANGE (day);
+                 CREATE TABLE {t}_1 PARTITION OF {t} FOR VALUES FROM (1) TO (2);
+                 CREATE TABLE {t}_2 PARTITION OF {t} FOR VALUES FROM (2) TO (3);
+                 SELECT dedup.create_inbox('{t}');
+                 SELECT dedup.attach('{t}', 'event_id', inbox => '{t}', on_duplicate => '{on_duplicate}');
+                 INSERT INTO {t} VALUES ('a', 1), ('b', 1), ('c', 1);"
+            ));
+            assert_eq!(
+                one::<i64>(&format!(
+                    "WITH u AS (UPDATE {t} SET day = 2 WHERE event_id <> 'c' RETURNING 1) SELECT count(*) FROM u"
+                )),
+                2
+            );
+            run(&format!("UPDATE {t} SET day = 2, event_id = 'c2' WHERE event_id = 'c'"));
+            assert_eq!(
+                column(&format!("SELECT event_id || day FROM {t} ORDER BY 1")),
+                ["a2", "b2", "c22"],
+                "{on_duplicate}"
+            );
+            // Inserts are deduplicated as before, also right after a move.
+            if on_duplicate == "skip" {
+                run(&format!("INSERT INTO {t} VALUES ('a', 1), ('d', 1)"));
+                assert_eq!(count(&t), 4, "'a' is still a duplicate");
+            } else {
+                assert_dedup_error(
+                    &format!("INSERT INTO {t} VALUES ('a', 1)"),
+                    PgSqlErrorCode::ERRCODE_UNIQUE_VIOLATION,
+                );
+            }
+        }
+    }
+
+    #[pg_test]
+    fn attach_a_key_that_inserts_into_its_own_table_is_refused_cleanly() {
+        // A stable key function that calls a volatile one, which PostgreSQL does not look into.
+        run("CREATE TABLE att_reent (event_id text);
+             CREATE FUNCTION att_reent_ins(t text) RETURNS text LANGUAGE plpgsql VOLATILE AS $$
+             BEGIN
+               IF t NOT LIKE 'inner%' THEN INSERT INTO att_reent VALUES ('inner-' || t); END IF;
+               RETURN t;
+             END $$;
+             CREATE FUNCTION att_reent_key(t text) RETURNS text LANGUAGE plpgsql STABLE AS
+               $$ BEGIN RETURN att_reent_ins(t); END $$;
+             SELECT dedup.attach('att_reent', 'upper(event_id) || att_reent_key(event_id)')");
+        assert_dedup_error(
+            "INSERT INTO att_reent VALUES ('outer')",
+            PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
+        );
+        assert_eq!(count("att_reent"), 0);
+        run("INSERT INTO att_reent VALUES ('inner-1')");
+        assert_eq!(count("att_reent"), 1, "the key works where it does not re-enter");
+    }
+
+    #[pg_test]
+    fn attach_refuses_keys_on_temporary_objects() {
+        events("att_tmpfn");
+        run("CREATE FUNCTION pg_temp.att_norm(t text) RETURNS text LANGUAGE sql IMMUTABLE AS 'SELECT lower(t)'");
+        assert_dedup_error(
+            "SELECT dedup.attach('att_tmpfn', 'pg_temp.att_norm(event_id)')",
+            PgSqlErrorCode::ERRCODE_FEATURE_NOT_SUPPORTED,
+        );
+        assert_eq!(count("dedup.attachments"), 0);
+        assert_eq!(count("pg_trigger WHERE tgrelid = 'att_tmpfn'::regclass"), 0, "the trigger went with the refusal");
+    }
+
+    #[pg_test]
+    fn attach_a_partitioned_table_needs_trigger_rights_on_every_partition() {
+        run("CREATE ROLE att_parent_owner; CREATE ROLE att_part_owner;
+             GRANT USAGE ON SCHEMA dedup TO att_parent_owner; GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA dedup TO att_parent_owner;
+             GRANT SELECT ON dedup.inbox_registry TO att_parent_owner;
+             GRANT SELECT, INSERT, UPDATE ON dedup.inbox_default TO att_parent_owner;
+             CREATE TABLE att_pp (event_id text, day int) PARTITION BY RANGE (day);
+             CREATE TABLE att_pp_1 PARTITION OF att_pp FOR VALUES FROM (1) TO (2);
+             ALTER TABLE att_pp OWNER TO att_parent_owner; ALTER TABLE att_pp_1 OWNER TO att_part_owner");
+        run("SET LOCAL ROLE att_parent_owner");
+        assert_dedup_error("SELECT dedup.attach('att_pp', 'event_id')", PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE);
+        run("RESET ROLE; GRANT TRIGGER ON att_pp_1 TO att_parent_owner; SET LOCAL ROLE att_parent_owner");
+        run("SELECT dedup.attach('att_pp', 'event_id')");
+        run("RESET ROLE");
+    }
+
+    // pg_backend_memory_contexts is there from PostgreSQL 14 on.
+    #[cfg(not(feature = "pg13"))]
+    #[pg_test]
+    fn attach_a_key_that_does_not_compile_leaves_no_memory_behind() {
+        events("att_leak");
+        run("SELECT dedup.attach('att_leak', 'event_id'); ALTER TABLE att_leak RENAME COLUMN event_id TO ev");
+        let contexts = || count("pg_backend_memory_contexts WHERE name = 'dedup attachment key'");
+        let before = contexts();
+        for _ in 0..20 {
+            assert_dedup_error("INSERT INTO att_leak (ev) VALUES ('x')", PgSqlErrorCode::ERRCODE_UNDEFINED_COLUMN);
+        }
+        assert_eq!(contexts(), before, "each failed compilation freed its memory");
+    }
+
+    #[pg_test]
+    fn attach_does_not_replace_someone_elses_trigger_of_the_same_name() {
+        events("att_named");
+        run("CREATE FUNCTION att_named_fn() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN RETURN NEW; END $$;
+             CREATE TRIGGER zz_dedup_attached BEFORE INSERT ON att_named FOR EACH ROW EXECUTE FUNCTION att_named_fn()");
+        assert_dedup_error("SELECT dedup.attach('att_named', 'event_id')", PgSqlErrorCode::ERRCODE_DUPLICATE_OBJECT);
+        assert_eq!(count("pg_trigger WHERE tgrelid = 'att_named'::regclass AND tgfoid = 'att_named_fn'::regproc"), 1);
     }
 }

@@ -70,13 +70,20 @@ fn insert_all(rel: pg_sys::Relation, ns: u64, ids: &[String], values: &Values) -
 /// # Safety
 /// `rel` must be an inbox table opened with RowExclusiveLock whose shape is `plain`.
 unsafe fn insert_each(rel: pg_sys::Relation, ns: u64, ids: &[String], values: &Values) -> Vec<String> {
-    with_indexes(rel, |estate, result_rel| {
-        let slot = row_slots(rel, 1)[0];
-        let inserted =
-            ids.iter().take_while(|id| insert_one(rel, ns, (estate, result_rel), slot, id, values)).cloned().collect();
-        pg_sys::ExecDropSingleTupleTableSlot(slot);
-        inserted
-    })
+    // SAFETY: the caller vouches for the relation; the slot is made and dropped here, inside with_indexes' executor
+    // state.
+    unsafe {
+        with_indexes(rel, |estate, result_rel| {
+            let slot = row_slots(rel, 1)[0];
+            let inserted = ids
+                .iter()
+                .take_while(|id| insert_one(rel, ns, (estate, result_rel), slot, id, values))
+                .cloned()
+                .collect();
+            pg_sys::ExecDropSingleTupleTableSlot(slot);
+            inserted
+        })
+    }
 }
 
 /// What `INSERT ... ON CONFLICT DO NOTHING` does for a row once its pre-check found nothing (ExecInsert in
@@ -93,26 +100,30 @@ unsafe fn insert_one(
     id: &str,
     values: &Values,
 ) -> bool {
-    store_row(slot, id, values);
-    let xid = pg_sys::GetCurrentTransactionId();
-    let token = pg_sys::SpeculativeInsertionLockAcquire(xid);
-    pg_sys::table_tuple_insert_speculative(
-        rel,
-        slot,
-        pg_sys::GetCurrentCommandId(true),
-        0,
-        std::ptr::null_mut(),
-        token,
-    );
-    let mut conflict = false;
-    ports::ExecInsertIndexTuples(result_rel, slot, estate, Some(&mut conflict), ports::Entries::Inserted);
-    pg_sys::table_tuple_complete_speculative(rel, slot, token, !conflict);
-    pg_sys::SpeculativeInsertionLockRelease(xid);
-    if !conflict {
-        // What the filter trigger does for the executor: the bits, once the row exists (a killed row needs none).
-        filter::add(ns, &[id]);
+    // SAFETY: the caller vouches for the relation, executor state and slot; the speculative token is taken and released
+    // around the row's index entries, as ExecInsert does.
+    unsafe {
+        store_row(slot, id, values);
+        let xid = pg_sys::GetCurrentTransactionId();
+        let token = pg_sys::SpeculativeInsertionLockAcquire(xid);
+        pg_sys::table_tuple_insert_speculative(
+            rel,
+            slot,
+            pg_sys::GetCurrentCommandId(true),
+            0,
+            std::ptr::null_mut(),
+            token,
+        );
+        let mut conflict = false;
+        ports::ExecInsertIndexTuples(result_rel, slot, estate, Some(&mut conflict), ports::Entries::Inserted);
+        pg_sys::table_tuple_complete_speculative(rel, slot, token, !conflict);
+        pg_sys::SpeculativeInsertionLockRelease(xid);
+        if !conflict {
+            // What the filter trigger does for the executor: the bits, once the row exists (a killed row needs none).
+            filter::add(ns, &[id]);
+        }
+        !conflict
     }
-    !conflict
 }
 
 /// The filter bits, then one multi-insert into the heap, then each row's index entries (raising unique_violation
@@ -121,22 +132,28 @@ unsafe fn insert_one(
 /// # Safety
 /// As for `insert_each`.
 unsafe fn write_rows(rel: pg_sys::Relation, ns: u64, ids: &[String], values: &Values) {
-    with_indexes(rel, |estate, result_rel| {
-        let slots = row_slots(rel, ids.len());
-        for (&slot, id) in slots.iter().zip(ids) {
-            store_row(slot, id, values);
-        }
-        let multi_insert = (*(*rel).rd_tableam).multi_insert.expect("every table access method can multi-insert");
-        let cid = pg_sys::GetCurrentCommandId(true);
-        multi_insert(rel, slots.as_ptr() as *mut _, slots.len() as i32, cid, 0, std::ptr::null_mut());
-        for &slot in &slots {
-            ports::ExecInsertIndexTuples(result_rel, slot, estate, None, ports::Entries::Inserted);
-            pg_sys::ExecDropSingleTupleTableSlot(slot);
-        }
-    });
-    // What the filter trigger does for the executor: the bits, once the rows exist (a unique violation above
-    // undoes the rows, and no bits are needed).
-    filter::add(ns, ids);
+    // SAFETY: the caller vouches for the relation; the slots are made, filled and dropped inside with_indexes' executor
+    // state, and the table access method's multi_insert is called as COPY calls it.
+    unsafe {
+        with_indexes(rel, |estate, result_rel| {
+            let slots = row_slots(rel, ids.len());
+            for (&slot, id) in slots.iter().zip(ids) {
+                store_row(slot, id, values);
+            }
+            let multi_insert = (*(*rel).rd_tableam).multi_insert.expect("every table access method can multi-insert");
+            let cid = pg_sys::GetCurrentCommandId(true);
+            pg_sys::ffi::pg_guard_ffi_boundary(|| {
+                multi_insert(rel, slots.as_ptr() as *mut _, slots.len() as i32, cid, 0, std::ptr::null_mut())
+            });
+            for &slot in &slots {
+                ports::ExecInsertIndexTuples(result_rel, slot, estate, None, ports::Entries::Inserted);
+                pg_sys::ExecDropSingleTupleTableSlot(slot);
+            }
+        });
+        // What the filter trigger does for the executor: the bits, once the rows exist (a unique violation above
+        // undoes the rows, and no bits are needed).
+        filter::add(ns, ids);
+    }
 }
 
 #[cfg(any(test, feature = "pg_test"))]

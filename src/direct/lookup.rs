@@ -26,12 +26,6 @@ pub struct Found {
     pub mine: bool,
 }
 
-/// The row of `id` in `inbox`, None if there is none. Only for an inbox opened by this transaction that
-/// `readable` says may be read directly.
-pub fn find(inbox: &Inbox, id: &str) -> Option<Found> {
-    find_each(inbox, &[id]).pop().flatten()
-}
-
 /// May `inbox` (opened by this transaction) be read directly? Its shape must be `plain` (row security, say, would
 /// have to be applied by the executor) with its primary key in place.
 pub fn readable(inbox: &Inbox) -> bool {
@@ -104,7 +98,8 @@ unsafe fn read(slot: *mut pg_sys::TupleTableSlot) -> Found {
         };
         let mut null = false;
         let getsysattr = (*(*slot).tts_ops).getsysattr.expect("a heap slot has system columns");
-        let xmin = getsysattr(slot, pg_sys::MinTransactionIdAttributeNumber, &mut null);
+        let xmin =
+            pg_sys::ffi::pg_guard_ffi_boundary(|| getsysattr(slot, pg_sys::MinTransactionIdAttributeNumber, &mut null));
         Found {
             tid: Some((*slot).tts_tid),
             expires_at: column(2).and_then(|d| TimestampWithTimeZone::from_datum(d, false)).expect("NOT NULL"),
@@ -140,6 +135,6 @@ mod tests {
         assert!(found[2].is_none());
         // A change made by SQL a moment ago is seen at once, as by the next statement.
         run("DELETE FROM dedup.inbox_dl_seen WHERE id = 'mine'");
-        assert!(super::find(&inbox, "mine").is_none());
+        assert!(super::find_each(&inbox, &["mine"])[0].is_none());
     }
 }

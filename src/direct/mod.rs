@@ -14,7 +14,7 @@ mod lookup;
 mod update;
 
 pub use insert::insert;
-pub use lookup::{find, find_each, readable, Found};
+pub use lookup::{find_each, readable, Found};
 pub use update::complete_own;
 
 use crate::jsonb::Jsonb;

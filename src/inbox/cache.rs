@@ -25,18 +25,9 @@ pub fn open(name: &str, access: Access) -> Rc<Inbox> {
         // shows up here as stale, or as a table that no longer exists (when it went before this backend
         // cached it), and the loop looks it up again (then: "does not exist"), instead of a raw error deep inside
         // a cached plan or the privilege check.
-        // SAFETY: locks a relation by oid (held until the transaction ends), then looks it up in the syscache.
-        let exists = unsafe {
-            pg_sys::LockRelationOid(inbox.relid, access.lock_mode());
-            pg_sys::SearchSysCacheExists(
-                pg_sys::SysCacheIdentifier::RELOID as i32,
-                inbox.relid.into_datum().expect("an oid is a datum"),
-                pg_sys::Datum::from(0),
-                pg_sys::Datum::from(0),
-                pg_sys::Datum::from(0),
-            )
-        };
-        if !exists {
+        // SAFETY: locks a relation by oid (held until the transaction ends).
+        unsafe { pg_sys::LockRelationOid(inbox.relid, access.lock_mode()) };
+        if !crate::catalog::relation_exists(inbox.relid) {
             inbox.stale.set();
         }
         if inbox.stale.get() {

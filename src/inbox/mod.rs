@@ -1,6 +1,8 @@
 //! Inbox storage. An inbox is an independent namespace of marks: a real table `dedup.inbox_<name>` of the row
-//! type `dedup.inbox_row` (id text COLLATE "C" PRIMARY KEY, expires_at timestamptz), listed with its default TTL
-//! in `dedup.inbox_registry`. The UNIQUE index on `id` is the single source of truth for "already seen".
+//! type `dedup.inbox_row` (id text COLLATE "C" PRIMARY KEY, expires_at timestamptz NOT NULL, and for idempotency
+//! keys fingerprint, result, lease_until and completed, which a mark leaves NULL), with an index on `expires_at`,
+//! listed with its default TTL in `dedup.inbox_registry`. The UNIQUE index on `id` is the single source of truth
+//! for "already seen".
 //!
 //! - `stmt`     — every statement run against an inbox table
 //! - `registry` — creating, dropping, finding and listing inboxes
@@ -11,17 +13,17 @@ mod registry;
 mod stmt;
 
 pub use cache::open;
-pub use registry::{all_names, create, drop, require_administrator};
+pub use registry::{all_names, create, drop, require_administrator, Dependents};
 pub use stmt::Stmt;
 
 use crate::errors::internal;
 use crate::filter::Trusted;
+use crate::plans::Plans;
 use crate::shmem;
 use crate::trigger::{self, State};
 use pgrx::prelude::*;
 use pgrx::spi::{OwnedPreparedStatement, SpiClient, SpiTupleTable};
 use std::cell::OnceCell;
-use stmt::STATEMENT_COUNT;
 
 pub const SCHEMA: &str = "dedup";
 pub const DEFAULT_INBOX: &str = "default";
@@ -72,7 +74,7 @@ pub struct Inbox {
     /// once per backend rather than on every count.
     entry: Option<&'static shmem::Entry>,
     stale: crate::relcache::Stale,
-    plans: [OnceCell<OwnedPreparedStatement>; STATEMENT_COUNT],
+    plans: Plans<{ Stmt::COUNT }>,
     shape: OnceCell<Shape>,
 }
 
@@ -100,7 +102,7 @@ pub struct Shape {
     /// Has the table the claim columns (`fingerprint` and the rest)? Not yet in a database whose extension is
     /// still at 0.2.0 while the 0.3.0 library runs (between the restart and `ALTER EXTENSION pg_dedup UPDATE`).
     pub claim_columns: bool,
-    /// The primary key's index (InvalidOid if an owner dropped it), which `direct::find` reads.
+    /// The primary key's index (InvalidOid if an owner dropped it), which `direct::find_each` reads.
     pub pkey: pg_sys::Oid,
     /// Distributed by Citus (`citus`): its rows live in shards elsewhere, and only SQL reaches them.
     pub distributed: bool,
@@ -110,31 +112,41 @@ impl Shape {
     /// # Safety
     /// `rel` must be an open relation.
     unsafe fn of(rel: pg_sys::Relation) -> Shape {
-        let form = &*(*rel).rd_rel;
-        let desc = pgrx::PgTupleDesc::from_pg_unchecked((*rel).rd_att);
-        let column_is = |i: usize, name: &str, type_oid: pg_sys::Oid| {
-            desc.get(i).is_some_and(|a| !a.attisdropped && a.atttypid == type_oid && a.name() == name)
-        };
-        let constr = (*(*rel).rd_att).constr;
-        let triggers = (*rel).trigdesc;
-        let only_ours =
-            triggers.is_null() || ((*triggers).numtriggers == 1 && trigger::is_guarding(&*(*triggers).triggers));
-        let distributed = crate::citus::distributed((*rel).rd_id);
-        let plain = !distributed
-            && form.relkind == pg_sys::RELKIND_RELATION as std::ffi::c_char
-            && form.reloftype != pg_sys::InvalidOid
-            && !form.relispartition
-            && !form.relrowsecurity
-            && desc.len() == COLUMNS.len()
-            && COLUMNS.iter().enumerate().all(|(i, (name, type_oid))| column_is(i, name, *type_oid))
-            // No CHECK constraints, defaults or generated columns (none can be added to a typed table's own
-            // columns but CHECK; the rest is belt and braces).
-            && (constr.is_null()
-                || ((*constr).num_check == 0 && (*constr).num_defval == 0 && !(*constr).has_generated_stored))
-            && (*rel).rd_rules.is_null()
-            && only_ours;
-        let claim_columns = (0..desc.len()).any(|i| column_is(i, "completed", pg_sys::BOOLOID));
-        Shape { trigger: State::of(rel), plain, claim_columns, pkey: crate::ports::primary_key_index(rel), distributed }
+        // SAFETY: the caller vouches for the relation; its pg_class row, tuple descriptor, constraints, rules and triggers
+        // are only read.
+        unsafe {
+            let form = &*(*rel).rd_rel;
+            let desc = pgrx::PgTupleDesc::from_pg_unchecked((*rel).rd_att);
+            let column_is = |i: usize, name: &str, type_oid: pg_sys::Oid| {
+                desc.get(i).is_some_and(|a| !a.attisdropped && a.atttypid == type_oid && a.name() == name)
+            };
+            let constr = (*(*rel).rd_att).constr;
+            let triggers = (*rel).trigdesc;
+            let only_ours =
+                triggers.is_null() || ((*triggers).numtriggers == 1 && trigger::is_guarding(&*(*triggers).triggers));
+            let distributed = crate::citus::distributed((*rel).rd_id);
+            let plain = !distributed
+                && form.relkind == pg_sys::RELKIND_RELATION as std::ffi::c_char
+                && form.reloftype != pg_sys::InvalidOid
+                && !form.relispartition
+                && !form.relrowsecurity
+                && desc.len() == COLUMNS.len()
+                && COLUMNS.iter().enumerate().all(|(i, (name, type_oid))| column_is(i, name, *type_oid))
+                // No CHECK constraints, defaults or generated columns (none can be added to a typed table's own
+                // columns but CHECK; the rest is belt and braces).
+                && (constr.is_null()
+                    || ((*constr).num_check == 0 && (*constr).num_defval == 0 && !(*constr).has_generated_stored))
+                && (*rel).rd_rules.is_null()
+                && only_ours;
+            let claim_columns = (0..desc.len()).any(|i| column_is(i, "completed", pg_sys::BOOLOID));
+            Shape {
+                trigger: State::of(rel),
+                plain,
+                claim_columns,
+                pkey: crate::ports::primary_key_index(rel),
+                distributed,
+            }
+        }
     }
 }
 
@@ -209,12 +221,7 @@ impl Inbox {
 
     /// The statement's plan, prepared on first use.
     pub fn plan(&self, client: &SpiClient<'_>, stmt: Stmt) -> &OwnedPreparedStatement {
-        self.plans[stmt.index()].get_or_init(|| {
-            client
-                .prepare_mut(stmt.sql(&self.table, self.shape()).as_str(), &stmt.arg_types())
-                .unwrap_or_else(|e| internal("preparing a statement", e))
-                .keep()
-        })
+        self.plans.get(client, stmt as usize, || stmt.sql(&self.table, self.shape()), || stmt.arg_types())
     }
 
     /// Runs one of the inbox's statements through its cached plan.

@@ -14,28 +14,16 @@ pub(super) fn qualified(name: &str) -> String {
     pgrx::spi::quote_qualified_identifier(SCHEMA, &table_name(name))
 }
 
-fn schema_oid() -> pg_sys::Oid {
-    let schema = std::ffi::CString::new(SCHEMA).expect("no NUL in schema name");
-    // SAFETY: a NUL-terminated name; missing_ok = false raises a clean ERROR if the schema is gone.
-    unsafe { pg_sys::get_namespace_oid(schema.as_ptr(), false) }
-}
-
 fn relation_oid(name: &str) -> pg_sys::Oid {
-    dedup_relation_oid(&table_name(name))
-}
-
-/// A relation of schema dedup by name (InvalidOid if there is none).
-fn dedup_relation_oid(relname: &str) -> pg_sys::Oid {
-    let rel = std::ffi::CString::new(relname).expect("validated names have no NUL");
-    // SAFETY: a NUL-terminated name and a schema oid; returns InvalidOid when there is no such relation.
-    unsafe { pg_sys::get_relname_relid(rel.as_ptr(), schema_oid()) }
+    let relname = std::ffi::CString::new(table_name(name)).expect("validated names have no NUL");
+    crate::catalog::dedup_relation(&relname)
 }
 
 /// Finding an inbox (once per inbox and session) or listing them reads the registry: a caller who may not read it
 /// gets a dedup error saying which grant is missing, instead of a raw permission error from inside SPI. (Column privileges on
 /// the registry do not count: grant SELECT on the table.)
 fn check_registry_readable() {
-    let relid = dedup_relation_oid("inbox_registry");
+    let relid = crate::catalog::dedup_relation(c"inbox_registry");
     // SAFETY: an ACL check of an existing relation (the registry belongs to the extension) for the current user.
     let readable =
         unsafe { pg_sys::pg_class_aclcheck(relid, pg_sys::GetUserId(), pg_sys::ACL_SELECT as pg_sys::AclMode) };
@@ -173,9 +161,17 @@ pub fn create(name: &str, default_ttl: Interval) {
     filter::trust_new_inbox(shmem::namespace(relation_oid(name)));
 }
 
+/// What the rooms above storage keep of an inbox, for `drop`: `check` may refuse the drop (it raises) before
+/// anything is dropped, and `forget` deletes what they keep of the inbox, in the same transaction. Both run as the
+/// extension's owner, with the registry locked.
+pub struct Dependents<'a> {
+    pub check: &'a dyn Fn(&str),
+    pub forget: &'a dyn Fn(&str),
+}
+
 /// Drops an inbox, for a caller with EXECUTE on `dedup.drop_inbox()` who administers it: holds DELETE on its table
 /// WITH GRANT OPTION (its creator does, as do the table's owner and superusers).
-pub fn drop(name: &str) {
+pub fn drop(name: &str, dependents: &Dependents) {
     if name == DEFAULT_INBOX {
         raise(
             PgSqlErrorCode::ERRCODE_FEATURE_NOT_SUPPORTED,
@@ -200,17 +196,16 @@ pub fn drop(name: &str) {
                     "Ask the extension's owner or a superuser to drop it.",
                 )
             }
-            let attached = crate::attach::tables_using(client, name);
-            if !attached.is_empty() {
-                raise(
-                    PgSqlErrorCode::ERRCODE_DEPENDENT_OBJECTS_STILL_EXIST,
-                    format!("inbox \"{name}\" holds the keys of attached tables: {}", attached.join(", ")),
-                    "Detach them first with dedup.detach(), or attach them to another inbox.",
-                )
+            if relid != pg_sys::InvalidOid {
+                require_administrator(client, caller, relid, name, "drop");
+                // Before the dependents look: an attach() of this inbox that holds the table commits first, and
+                // its attachment is then seen (and refuses the drop).
+                // SAFETY: locks a relation by oid until the transaction ends.
+                unsafe { pg_sys::LockRelationOid(relid, pg_sys::AccessExclusiveLock as pg_sys::LOCKMODE) };
             }
+            (dependents.check)(name);
             if relid != pg_sys::InvalidOid {
                 let table = qualified(name);
-                require_administrator(client, caller, relid, name, "drop");
                 if crate::citus::distributed(relid) {
                     crate::citus::unregister_on_workers(client, name);
                 }
@@ -221,9 +216,7 @@ pub fn drop(name: &str) {
             client
                 .update("DELETE FROM dedup.inbox_registry WHERE name OPERATOR(pg_catalog.=) $1", None, &[name.into()])
                 .unwrap_or_else(|e| internal("unregistering the inbox", e));
-            client
-                .update(crate::positions::DROP_INBOX_SQL, None, &[name.into()])
-                .unwrap_or_else(|e| internal("deleting the inbox's positions", e));
+            (dependents.forget)(name);
         })
     });
 }

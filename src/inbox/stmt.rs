@@ -1,35 +1,23 @@
 //! Every SQL statement pg_dedup runs against an inbox table, prepared once per backend and inbox (see `cache`).
 //! Names and operators are schema-qualified so that nothing on the caller's `search_path` can take their place.
 
+use crate::plans::statements;
 use pgrx::PgOid;
-
-macro_rules! statements {
-    ($($(#[$doc:meta])* $name:ident,)*) => {
-        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-        pub enum Stmt {
-            $($(#[$doc])* $name,)*
-        }
-
-        /// How many statements there are: one cached plan each.
-        pub const STATEMENT_COUNT: usize = [$(Stmt::$name),*].len();
-    };
-}
 
 statements! {
     /// $1 id, $2 expires_at → a row if the id was inserted.
     Insert,
     /// $1 ids (sorted, distinct), $2 expires_at → the ids inserted.
     InsertMany,
-    /// $1 ids → (id, expires_at) of every row visible now, live or expired.
-    Probe,
-    /// The same for one id ($1 text). A plan of its own because the plan cache never settles on a generic plan for
+    /// $1 id → (id, expires_at, fingerprint, result, lease_until, completed, written by this transaction) of its
+    /// row visible now, live or expired (`rows::find`, for tables that cannot be read directly).
+    Find,
+    /// The same for $1 ids. Apart from `Find` because the plan cache never settles on a generic plan for
     /// `= ANY ($1)`, and re-planning every duplicate's lookup cost more than the lookup.
-    ProbeOne,
+    FindMany,
     /// $1 ids, $2 new expires_at, $3 now → the ids whose expired row this call renewed (as a plain mark: what a
     /// claim had stored goes).
     Renew,
-    /// $1 id, $2 now → a row if a live mark is visible.
-    Seen,
     /// $1 id, $2 now → one boolean per deleted row: was it live?
     Forget,
     /// $1 now, $2 batch size → deletes up to that many expired rows, skipping rows other transactions hold.
@@ -39,8 +27,6 @@ statements! {
     PurgeBatchUnlocked,
     /// $1 now, $2 cap → how many expired rows wait, counted up to the cap.
     Backlog,
-    /// $1 id → (expires_at, fingerprint, result, lease_until, completed, xmin) of its row visible now.
-    ClaimProbe,
     /// $1 id, $2 expires_at, $3 fingerprint, $4 lease_until → a row if a claim in progress was inserted.
     ClaimInsert,
     /// $1 id, $2 expires_at, $3 fingerprint, $4 lease_until, $5 now → a row if the id's row, expired or a claim
@@ -53,10 +39,6 @@ statements! {
 }
 
 impl Stmt {
-    pub(super) fn index(self) -> usize {
-        self as usize
-    }
-
     /// The statement's text for `table` of shape `shape`: whether it has the claim columns yet, and whether Citus
     /// distributes it (two statements then take a form Citus can run: the batch insert's RETURNING read through a
     /// CTE, which Citus's INSERT ... SELECT otherwise miscounts under SPI, and the purge by id, as Citus refuses
@@ -82,8 +64,18 @@ impl Stmt {
                 "INSERT INTO {table} (id, expires_at) SELECT u.id, $2 FROM pg_catalog.unnest($1) WITH ORDINALITY \
                  AS u(id, n) ORDER BY u.n ON CONFLICT (id) DO NOTHING RETURNING id"
             ),
-            Stmt::Probe => format!("SELECT id, expires_at FROM {table} WHERE id OPERATOR(pg_catalog.=) ANY ($1)"),
-            Stmt::ProbeOne => format!("SELECT id, expires_at FROM {table} WHERE id OPERATOR(pg_catalog.=) $1"),
+            // Whether the row is this transaction's is decided where the row is: on the node holding its shard. A
+            // table without the claim columns is one of a database whose extension is still at 0.2.0, which has
+            // no claims (nor dedup.xmin_is_mine()).
+            Stmt::Find | Stmt::FindMany => format!(
+                "SELECT id, expires_at, {} FROM {table} WHERE id OPERATOR(pg_catalog.=) {}",
+                if claim_columns {
+                    "fingerprint, result, lease_until, completed, dedup.xmin_is_mine(xmin)"
+                } else {
+                    "NULL::pg_catalog.text, NULL::pg_catalog.jsonb, NULL::pg_catalog.timestamptz, NULL::pg_catalog.bool, false"
+                },
+                if self == Stmt::Find { "$1" } else { "ANY ($1)" }
+            ),
             Stmt::Renew => format!(
                 "UPDATE {table} SET expires_at = $2{} WHERE id OPERATOR(pg_catalog.=) ANY ($1) \
                  AND expires_at OPERATOR(pg_catalog.<=) $3 RETURNING id",
@@ -92,9 +84,6 @@ impl Stmt {
                 } else {
                     ""
                 }
-            ),
-            Stmt::Seen => format!(
-                "SELECT true FROM {table} WHERE id OPERATOR(pg_catalog.=) $1 AND expires_at OPERATOR(pg_catalog.>) $2"
             ),
             Stmt::Forget => format!(
                 "DELETE FROM {table} WHERE id OPERATOR(pg_catalog.=) $1 RETURNING expires_at OPERATOR(pg_catalog.>) $2"
@@ -111,11 +100,6 @@ impl Stmt {
             Stmt::PurgeBatchUnlocked => format!(
                 "DELETE FROM {table} WHERE ctid OPERATOR(pg_catalog.=) ANY (ARRAY(SELECT ctid FROM {table} \
                  WHERE expires_at OPERATOR(pg_catalog.<=) $1 ORDER BY expires_at LIMIT $2))"
-            ),
-            // Whether the row is this transaction's is decided where the row is: on the node holding its shard.
-            Stmt::ClaimProbe => format!(
-                "SELECT expires_at, fingerprint, result, lease_until, completed, dedup.xmin_is_mine(xmin) FROM {table} \
-                 WHERE id OPERATOR(pg_catalog.=) $1"
             ),
             Stmt::ClaimInsert => format!(
                 "INSERT INTO {table} (id, expires_at, fingerprint, lease_until, completed) \
@@ -146,12 +130,12 @@ impl Stmt {
         let oids = match self {
             Stmt::Insert => vec![TEXTOID, TIMESTAMPTZOID],
             Stmt::InsertMany => vec![TEXTARRAYOID, TIMESTAMPTZOID],
-            Stmt::Probe => vec![TEXTARRAYOID],
-            Stmt::ProbeOne => vec![TEXTOID],
+            Stmt::Find => vec![TEXTOID],
+            Stmt::FindMany => vec![TEXTARRAYOID],
             Stmt::Renew => vec![TEXTARRAYOID, TIMESTAMPTZOID, TIMESTAMPTZOID],
-            Stmt::Seen | Stmt::Forget => vec![TEXTOID, TIMESTAMPTZOID],
+            Stmt::Forget => vec![TEXTOID, TIMESTAMPTZOID],
             Stmt::PurgeBatch | Stmt::PurgeBatchUnlocked | Stmt::Backlog => vec![TIMESTAMPTZOID, INT8OID],
-            Stmt::ClaimProbe | Stmt::Release => vec![TEXTOID],
+            Stmt::Release => vec![TEXTOID],
             Stmt::ClaimInsert => vec![TEXTOID, TIMESTAMPTZOID, TEXTOID, TIMESTAMPTZOID],
             Stmt::ClaimTakeOver => vec![TEXTOID, TIMESTAMPTZOID, TEXTOID, TIMESTAMPTZOID, TIMESTAMPTZOID],
             Stmt::Complete => vec![TEXTOID, JSONBOID, TIMESTAMPTZOID],

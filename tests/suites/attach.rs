@@ -1,12 +1,21 @@
-//! Issue 15: rows deduplicated where they arrive (`attach()`: INSERT, COPY, logical replication) and per-key
-//! positions (`advance()`), against real servers: COPY of data with repeats, eight sessions loading overlapping keys
-//! at once, a load killed mid-COPY, a logical-replication subscriber that is sent the same rows twice, pg_dump and
-//! restore, and streams of positions raced by eight sessions.
+//! Rows deduplicated where they arrive (`attach()`: INSERT, COPY, logical replication), against real servers: COPY of
+//! data with repeats, eight sessions loading overlapping keys at once, a load killed mid-COPY, a logical-replication
+//! subscriber that is sent the same rows twice, pg_dump and restore, and the concurrency of attach(), detach(),
+//! drop_inbox() and DROP. Run by tests/attach.rs (no filter) and tests/attach_filtered.rs (the filter answers).
 
 use pg_dedup_harness::postgres::Client;
 use pg_dedup_tests::*;
-use std::collections::BTreeMap;
 use std::io::Write;
+
+/// The server this suite runs on: the root file that includes it says which (`server()`).
+fn cluster() -> &'static Cluster {
+    super::server()
+}
+
+/// A fresh database with pg_dedup installed, on this suite's server.
+fn db(name: &str) -> pg_dedup_harness::postgres::Client {
+    cluster().fresh_db(name)
+}
 
 /// A table of events attached to inbox `inbox` by `event_id`.
 fn attached_events(c: &mut Client, table: &str, inbox: &str, on_duplicate: &str) {
@@ -42,7 +51,7 @@ fn copy_with_repeats_keeps_the_first_of_each_key() {
     let kept: i64 =
         c.query_one("SELECT count(DISTINCT event_id) FROM feed WHERE body LIKE 'first-%'", &[]).unwrap().get(0);
     assert_eq!((count(&mut c, "feed"), kept), (700, 700));
-    // Counted where there are counters (a preloaded server: `ingest_filtered`).
+    // Counted where there are counters (a preloaded server: `attach_filtered`).
     let stats: Option<String> = c
         .query_one("SELECT rows_passed || ' ' || rows_dropped FROM dedup.stats WHERE inbox = 'default'", &[])
         .unwrap()
@@ -158,7 +167,8 @@ fn a_logical_replication_subscriber_drops_what_it_is_sent_twice() {
     publisher
         .batch_execute(
             "CREATE TABLE orders (seq int PRIMARY KEY, order_id text NOT NULL, amount int);
-             CREATE PUBLICATION orders_pub FOR TABLE orders;",
+             CREATE TABLE moves (id int, event_id text, day int); ALTER TABLE moves REPLICA IDENTITY FULL;
+             CREATE PUBLICATION orders_pub FOR TABLE orders, moves;",
         )
         .unwrap();
     // Made apart: a subscription to its own cluster cannot create its slot (it would wait for itself).
@@ -174,6 +184,12 @@ fn a_logical_replication_subscriber_drops_what_it_is_sent_twice() {
              CREATE TABLE orders (seq int PRIMARY KEY, order_id text NOT NULL, amount int);
              ALTER TABLE orders OWNER TO app;
              SELECT dedup.attach('orders', 'order_id');
+             CREATE TABLE moves (id int, event_id text, day int) PARTITION BY RANGE (day);
+             CREATE TABLE moves_1 PARTITION OF moves FOR VALUES FROM (1) TO (2);
+             CREATE TABLE moves_2 PARTITION OF moves FOR VALUES FROM (2) TO (3);
+             ALTER TABLE moves REPLICA IDENTITY FULL; ALTER TABLE moves_1 REPLICA IDENTITY FULL;
+             ALTER TABLE moves_2 REPLICA IDENTITY FULL;
+             SELECT dedup.attach('moves', 'event_id');
              CREATE SUBSCRIPTION orders_sub CONNECTION '{}' PUBLICATION orders_pub
                WITH (create_slot = false, slot_name = 'orders_sub', copy_data = false);",
             server.conn_string("ingest_pub", "postgres")
@@ -191,6 +207,24 @@ fn a_logical_replication_subscriber_drops_what_it_is_sent_twice() {
     let first: i64 =
         subscriber.query_one("SELECT max(seq)::bigint FROM orders WHERE order_id <> 'last'", &[]).unwrap().get(0);
     assert_eq!(first, 50, "the first delivery of each order was kept");
+    // An UPDATE that moves a row to another of the subscriber's partitions is applied as a delete and an insert: the
+    // row must not be dropped as a duplicate of itself.
+    publisher
+        .batch_execute(
+            "INSERT INTO moves VALUES (1, 'm1', 1), (2, 'm2', 1); UPDATE moves SET day = 2 WHERE id = 1;
+             INSERT INTO orders VALUES (1001, 'last-after-moves', 0);",
+        )
+        .unwrap();
+    eventually("the subscriber applied the move", || {
+        count(&mut subscriber, "orders WHERE order_id = 'last-after-moves'") == 1
+    });
+    let moves: Vec<String> = subscriber
+        .query("SELECT event_id || '@' || day FROM moves ORDER BY 1", &[])
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(moves, ["m1@2", "m2@1"]);
     subscriber.batch_execute("DROP SUBSCRIPTION orders_sub").unwrap();
     server.destroy();
 }
@@ -214,47 +248,135 @@ fn dump_and_restore_keep_attachments_and_every_row() {
 }
 
 #[test]
-fn eight_sessions_racing_positions_keep_every_keys_maximum() {
+fn a_refused_attach_or_detach_returns_at_once_instead_of_queueing_a_lock() {
     let cluster = cluster();
-    let mut c = db("ingest_positions");
-    c.batch_execute("CREATE TABLE won (n bigserial PRIMARY KEY, key text, position bigint)").unwrap();
-    const KEYS: usize = 100;
-    const STEPS: i64 = 40;
-    std::thread::scope(|s| {
-        for session in 0..8u64 {
-            s.spawn(move || {
-                let mut c = cluster.connect("ingest_positions");
-                // Every session sends every key's positions 1..STEPS, duplicated and shuffled its own way.
-                let mut events: Vec<(usize, i64)> = (0..KEYS).flat_map(|k| (1..=STEPS).map(move |p| (k, p))).collect();
-                let mut seed = 0x9e37_79b9_7f4a_7c15u64 ^ (session + 1).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-                for i in (1..events.len()).rev() {
-                    seed ^= seed << 13;
-                    seed ^= seed >> 7;
-                    seed ^= seed << 17;
-                    events.swap(i, (seed % (i as u64 + 1)) as usize);
-                }
-                for (k, p) in events {
-                    let key = format!("key-{k}");
-                    let mut tx = c.transaction().unwrap();
-                    let ahead: bool = tx.query_one("SELECT dedup.advance($1, $2)", &[&key, &p]).unwrap().get(0);
-                    if ahead {
-                        // Written under the key's row lock, so `n` orders the winners of one key as they committed.
-                        tx.execute("INSERT INTO won (key, position) VALUES ($1, $2)", &[&key, &p]).unwrap();
-                    }
-                    tx.commit().unwrap();
-                }
-            });
-        }
+    let mut admin = db("ingest_lock_first");
+    // A role that may call attach() and detach() and nothing else; roles are cluster-wide, databases per test.
+    admin
+        .batch_execute(
+            "DROP ROLE IF EXISTS lock_intruder; CREATE ROLE lock_intruder LOGIN;
+             GRANT USAGE ON SCHEMA dedup TO lock_intruder;
+             GRANT EXECUTE ON FUNCTION dedup.attach(regclass, text, interval, text, text), dedup.detach(regclass)
+               TO lock_intruder;
+             CREATE TABLE victim (id text); CREATE VIEW victim_view AS SELECT * FROM victim",
+        )
+        .unwrap();
+    // Writers hold the table (and, creating a table, pg_class), as an application does all day.
+    let mut writer = cluster.connect("ingest_lock_first");
+    writer
+        .batch_execute(
+            "BEGIN; INSERT INTO victim VALUES ('x'); CREATE TABLE scratch (x int);
+             LOCK TABLE victim_view, dedup.inbox_default IN ACCESS EXCLUSIVE MODE",
+        )
+        .unwrap();
+    // Before the fix each of these queued behind the writer (and every later writer behind it): here they would
+    // fail with lock_timeout (55P03) instead of their refusal.
+    let mut intruder = cluster.connect_as("ingest_lock_first", "lock_intruder");
+    intruder.batch_execute("SET lock_timeout = '3s'").unwrap();
+    for (sql, code) in [
+        ("SELECT dedup.attach('public.victim', 'id')", "42501"),
+        ("SELECT dedup.detach('public.victim')", "42501"),
+        ("SELECT dedup.attach('pg_catalog.pg_class', 'relname::text')", "42809"),
+    ] {
+        assert_dedup_error(intruder.batch_execute(sql), code);
+    }
+    admin.batch_execute("SET lock_timeout = '3s'").unwrap();
+    for sql in [
+        "SELECT dedup.attach('public.victim_view', 'id')",
+        "SELECT dedup.attach('dedup.inbox_default', 'id')",
+        "SELECT dedup.detach('dedup.inbox_default')",
+    ] {
+        assert_dedup_error(admin.batch_execute(sql), "42809");
+    }
+    writer.batch_execute("ROLLBACK").unwrap();
+    admin.batch_execute("DROP OWNED BY lock_intruder; DROP ROLE lock_intruder").unwrap();
+}
+
+#[test]
+fn a_function_the_key_calls_is_kept_or_replaced_for_every_session() {
+    let cluster = cluster();
+    let mut c = db("ingest_key_function");
+    c.batch_execute(
+        "CREATE FUNCTION public.norm_pl(t text) RETURNS text LANGUAGE plpgsql IMMUTABLE AS
+           $$ BEGIN RETURN lower(t); END $$;
+         CREATE FUNCTION public.norm_sql(t text) RETURNS text LANGUAGE sql IMMUTABLE AS 'SELECT lower(t)';
+         CREATE TABLE pl (event_id text); CREATE TABLE inlined (event_id text);
+         SELECT dedup.create_inbox('pl'); SELECT dedup.create_inbox('inlined');
+         SELECT dedup.attach('pl', 'public.norm_pl(event_id)', inbox => 'pl');
+         SELECT dedup.attach('inlined', 'public.norm_sql(event_id)', inbox => 'inlined');",
+    )
+    .unwrap();
+    // Session S compiles both keys.
+    let mut s = cluster.connect("ingest_key_function");
+    s.batch_execute("INSERT INTO pl VALUES ('A'); INSERT INTO inlined VALUES ('A')").unwrap();
+    // Before the fix the DROP went through and S failed with XX000 "cache lookup failed" until it reconnected.
+    let err = c.batch_execute("DROP FUNCTION public.norm_pl(text)").unwrap_err();
+    assert_eq!(sqlstate(&err), "2BP01", "{err}");
+    // Replaced in place: S uses the new body at its next row (an SQL function was inlined into S's compiled key).
+    c.batch_execute(
+        "CREATE OR REPLACE FUNCTION public.norm_sql(t text) RETURNS text LANGUAGE sql IMMUTABLE AS 'SELECT upper(t)'",
+    )
+    .unwrap();
+    s.batch_execute("INSERT INTO pl VALUES ('a'); INSERT INTO inlined VALUES ('b')").unwrap();
+    assert_eq!(count(&mut s, "pl"), 1, "'a' is a duplicate of 'A'");
+    let upper: bool = s.query_one("SELECT dedup.seen('B', 'inlined')", &[]).unwrap().get(0);
+    assert!(upper, "the replaced function computed the key");
+    // Dropped with CASCADE, the attachment goes with its trigger: S inserts without deduplication, without an error.
+    c.batch_execute("DROP FUNCTION public.norm_pl(text) CASCADE").unwrap();
+    s.batch_execute("INSERT INTO pl VALUES ('a')").unwrap();
+    assert_eq!(count(&mut s, "pl"), 2);
+    let left: i64 = s.query_one("SELECT count(*) FROM dedup.attachments", &[]).unwrap().get(0);
+    assert_eq!(left, 1, "only `inlined` is attached still");
+}
+
+/// A DROP prunes attachments left without their trigger; it must never wait for another session's open transaction
+/// that pruned (or holds) the same registry row.
+#[test]
+fn a_drop_never_waits_for_someone_elses_prune() {
+    let cluster = cluster();
+    let mut owner = db("ingest_prune_wait");
+    owner
+        .batch_execute(
+            "CREATE TABLE own_t (id text); SELECT dedup.attach('own_t', 'id');
+             ALTER TRIGGER zz_dedup_attached ON own_t RENAME TO zz_renamed;
+             CREATE TABLE unrelated (x int);",
+        )
+        .unwrap();
+    // The renamed trigger left a stale attachment; this session's DROP prunes it and stays open.
+    let mut holder = cluster.connect("ingest_prune_wait");
+    holder.batch_execute("BEGIN; CREATE TABLE scratch (x int); DROP TABLE scratch").unwrap();
+    let mut other = cluster.connect("ingest_prune_wait");
+    // Before the fix: 55P03 after 3 s, waiting on the holder's transaction.
+    other.batch_execute("SET lock_timeout = '3s'; DROP TABLE unrelated").unwrap();
+    holder.batch_execute("COMMIT").unwrap();
+    assert_eq!(count(&mut owner, "dedup.attachments"), 0, "pruned by the holder");
+}
+
+/// drop_inbox() waits for an attach() of the same inbox that is in progress, then sees its attachment and refuses.
+#[test]
+fn drop_inbox_sees_an_attachment_committed_while_it_waited() {
+    let cluster = cluster();
+    let mut a = db("ingest_drop_race");
+    a.batch_execute("SELECT dedup.create_inbox('dix'); CREATE TABLE di (e text)").unwrap();
+    a.batch_execute("BEGIN; SELECT dedup.attach('di', 'e', inbox => 'dix')").unwrap();
+    let dropper = std::thread::spawn(move || {
+        let mut b = cluster.connect("ingest_drop_race");
+        b.batch_execute("SELECT dedup.drop_inbox('dix')").map_err(|e| sqlstate(&e))
     });
-    let mut won: BTreeMap<String, Vec<i64>> = BTreeMap::new();
-    for row in c.query("SELECT key, position FROM won ORDER BY n", &[]).unwrap() {
-        won.entry(row.get(0)).or_default().push(row.get(1));
-    }
-    assert_eq!(won.len(), KEYS);
-    for (key, positions) in &won {
-        assert!(positions.windows(2).all(|w| w[0] < w[1]), "{key}: the true answers went strictly up: {positions:?}");
-        assert_eq!(positions.last(), Some(&STEPS), "{key}: the maximum won");
-        let stored: i64 = c.query_one("SELECT dedup.position($1)", &[key]).unwrap().get(0);
-        assert_eq!(stored, STEPS);
-    }
+    let mut observer = cluster.connect("ingest_drop_race");
+    eventually("drop_inbox() waits for the attach()", || {
+        observer
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE query LIKE '%drop_inbox%' AND wait_event_type = 'Lock'",
+                &[],
+            )
+            .unwrap()
+            .get::<_, i64>(0)
+            == 1
+    });
+    a.batch_execute("COMMIT").unwrap();
+    // Before the fix the drop went through, and every insert into di then failed (its inbox was gone).
+    assert_eq!(dropper.join().unwrap(), Err("2BP01".to_owned()));
+    a.batch_execute("INSERT INTO di VALUES ('x'), ('x')").unwrap();
+    assert_eq!(count(&mut a, "di"), 1);
 }

@@ -1,8 +1,24 @@
-//! The claim contract of mark() / mark_many(): transactional, blocking on concurrent claims, windowed.
+//! The contract of mark() / mark_many() against a real server: transactional, blocking on concurrent marks of the
+//! same id, windowed. Run by tests/mark.rs (no filter) and tests/mark_filtered.rs (the filter answers).
 
 use pg_dedup_tests::*;
 use std::collections::HashMap;
 use std::thread;
+
+/// The server this suite runs on: the root file that includes it says which (`server()`).
+fn cluster() -> &'static Cluster {
+    super::server()
+}
+
+/// A fresh database with pg_dedup installed, on this suite's server.
+fn db(name: &str) -> pg_dedup_harness::postgres::Client {
+    cluster().fresh_db(name)
+}
+
+/// A connection to database `name` of this suite's server.
+fn connect(name: &str) -> pg_dedup_harness::postgres::Client {
+    cluster().connect(name)
+}
 
 #[test]
 fn mark_commits_or_rolls_back_with_the_transaction() {

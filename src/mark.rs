@@ -1,4 +1,5 @@
-//! Claiming ids: the heart of `mark()` and `mark_many()`, plus `seen()` and `forget()`.
+//! `mark()`, `mark_many()`, `seen()` and `forget()`: the inbox pattern's SQL face, and the algorithm that claims
+//! ids for them (and for attached tables' rows).
 //!
 //! One algorithm serves one id or many, so both obey the same contract:
 //! 1. insert the pending ids with `ON CONFLICT DO NOTHING`. A conflict with a row another transaction is still
@@ -18,86 +19,20 @@
 
 use crate::clock::{expiry, statement_now};
 use crate::errors::raise;
-use crate::filter::{self, Trusted};
-use crate::inbox::{Inbox, Stmt};
+use crate::inbox::{self, Access, Inbox, Stmt};
 use crate::shmem::Counter;
-use crate::{direct, guc};
+use crate::{direct, gate, input, rows};
 use pgrx::prelude::*;
 use rustc_hash::FxHashSet as HashSet;
-use std::cell::Cell;
 
 /// Rounds of insert/probe/renew before giving up. Each extra round needs a concurrent purge or forget of the very
 /// same id between two statements, so more than a couple of rounds means something is badly wrong.
 pub const MAX_ROUNDS: usize = 16;
 
-thread_local! {
-    static TOLD_DEGRADED: Cell<bool> = const { Cell::new(false) };
-}
-
-/// The filter that may answer for `inbox`, if any. When the installation is why there is none (no preloading, or no
-/// worker for this database), says so once per session: everything stays correct, but the user should know.
-fn trusted_filter(inbox: &Inbox) -> Option<Trusted> {
-    if !TOLD_DEGRADED.with(|told| told.replace(true)) {
-        if let Some((message, hint)) = degraded() {
-            pgrx::pg_sys::panic::ErrorReport::new(PgSqlErrorCode::ERRCODE_SUCCESSFUL_COMPLETION, message, "pg_dedup")
-                .set_hint(hint)
-                .report(PgLogLevel::NOTICE);
-        }
-    }
-    inbox.filter()
-}
-
-/// What this installation leaves out for the current database, and how to get it.
-fn degraded() -> Option<(String, String)> {
-    if !filter::is_preloaded() {
-        return Some((
-            "dedup: the shared Bloom filter is off because pg_dedup is not in shared_preload_libraries; every call \
-             uses the inbox index (correct, a little slower), and no background worker purges expired marks"
-                .into(),
-            "Add pg_dedup to shared_preload_libraries and restart the server to enable them.".into(),
-        ));
-    }
-    // SAFETY: MyDatabaseId is set once the backend is connected, which it is when a function runs.
-    let database = unsafe { std::ffi::CStr::from_ptr(pg_sys::get_database_name(pg_sys::MyDatabaseId)) }
-        .to_string_lossy()
-        .into_owned();
-    let mut listed = guc::worker_databases();
-    if listed.contains(&database) {
-        return None;
-    }
-    let setting = listed.join(", ");
-    listed.push(database.clone());
-    Some((
-        format!(
-            "dedup: no pg_dedup worker looks after database \"{database}\" (dedup.database = '{setting}'): expired \
-             marks are never purged (only dedup.purge() removes them) and the shared Bloom filter is never loaded"
-        ),
-        format!(
-            "Add it and reload: ALTER SYSTEM SET dedup.database = '{}'; SELECT pg_reload_conf();",
-            listed.join(", ")
-        ),
-    ))
-}
-
-/// The ids the filter cannot rule out ("maybe").
-fn suspects<'a>(filter: &Trusted, inbox: &Inbox, ids: &[&'a str]) -> HashSet<&'a str> {
-    let maybe = filter.maybe(ids);
-    let suspects: HashSet<&str> = ids.iter().zip(maybe).filter(|(_, m)| *m).map(|(id, _)| *id).collect();
-    inbox.count(Counter::Lookups, ids.len() as u64);
-    inbox.count(Counter::CertainlyNew, (ids.len() - suspects.len()) as u64);
-    suspects
-}
-
-/// What the filter says of `id`: Some(true) if it vouches that `id` was never written to `inbox` (so it may go
-/// straight in), Some(false) for "maybe", None when no filter answers. Keeps the inbox's lookup counters.
-pub fn filter_says_new(inbox: &Inbox, id: &str) -> Option<bool> {
-    let filter = trusted_filter(inbox)?;
-    inbox.count(Counter::Lookups, 1);
-    let certainly_new = !filter.may_contain(id);
-    if certainly_new {
-        inbox.count(Counter::CertainlyNew, 1);
-    }
-    Some(certainly_new)
+/// The ids the filter cannot rule out ("maybe"); None when no filter answers.
+fn suspects<'a>(inbox: &Inbox, ids: &[&'a str]) -> Option<HashSet<&'a str>> {
+    let maybe = gate::maybe(inbox, ids)?;
+    Some(ids.iter().zip(maybe).filter(|(_, m)| *m).map(|(id, _)| *id).collect())
 }
 
 /// When a mark made now expires: `ttl` (already validated) or the inbox's default (validated when created).
@@ -113,7 +48,7 @@ const MAX_CHUNKS: usize = 16;
 
 /// Marks `ids` in `inbox` for `ttl` (None: the inbox's default), asking the filter first, and keeps the inbox's
 /// counters. Returns, for each position of `ids`, whether it is the first occurrence of an id that was new.
-pub fn mark(inbox: &Inbox, ids: &[&str], ttl: Option<Interval>) -> Vec<bool> {
+pub fn mark_ids(inbox: &Inbox, ids: &[&str], ttl: Option<Interval>) -> Vec<bool> {
     // The distinct ids in sorted order (two calls with overlapping ids then lock rows in the same order and cannot
     // deadlock each other), each by the position of its first occurrence. Positions, not copies: an array of a
     // million ids must not cost a million strings.
@@ -121,13 +56,12 @@ pub fn mark(inbox: &Inbox, ids: &[&str], ttl: Option<Interval>) -> Vec<bool> {
     order.sort_unstable_by(|&a, &b| ids[a as usize].cmp(ids[b as usize]).then(a.cmp(&b)));
     order.dedup_by(|later, first| ids[*later as usize] == ids[*first as usize]);
     let expires_at = window_end(inbox, ttl);
-    let filter = trusted_filter(inbox);
     let mut new_at = vec![false; ids.len()];
     let mut fresh = 0;
     for chunk in order.chunks(CHUNK.max(order.len().div_ceil(MAX_CHUNKS))) {
         let chunk_ids: Vec<&str> = chunk.iter().map(|&i| ids[i as usize]).collect();
-        let suspects = filter.as_ref().map(|filter| suspects(filter, inbox, &chunk_ids));
-        let out = claim(inbox, &chunk_ids, suspects.as_ref(), expires_at);
+        let suspects = suspects(inbox, &chunk_ids);
+        let out = mark_sorted(inbox, &chunk_ids, suspects.as_ref(), expires_at);
         for (&i, id) in chunk.iter().zip(&chunk_ids) {
             if out.fresh.contains(*id) {
                 new_at[i as usize] = true;
@@ -157,7 +91,12 @@ struct Outcome {
 /// duplicate costs one index lookup. When a filter answered, what is left is most likely all new and goes straight
 /// into heap and indexes; whatever that cannot settle takes the ordinary rounds, whose conflict check is the
 /// truth either way.
-fn claim(inbox: &Inbox, ids: &[&str], suspects: Option<&HashSet<&str>>, expires_at: TimestampWithTimeZone) -> Outcome {
+fn mark_sorted(
+    inbox: &Inbox,
+    ids: &[&str],
+    suspects: Option<&HashSet<&str>>,
+    expires_at: TimestampWithTimeZone,
+) -> Outcome {
     let now = statement_now();
     // Sorted and distinct already (see `mark`).
     let mut pending: Vec<String> = ids.iter().map(|id| id.to_string()).collect();
@@ -232,26 +171,14 @@ fn insert(inbox: &Inbox, ids: &[String], expires_at: TimestampWithTimeZone) -> H
 
 /// Splits the rows visible now into live ids and (sorted) expired ids.
 fn probe(inbox: &Inbox, ids: &[String], now: TimestampWithTimeZone) -> (HashSet<String>, Vec<String>) {
-    let rows: Vec<(String, TimestampWithTimeZone)> = if direct::readable(inbox) {
-        let borrowed: Vec<&str> = ids.iter().map(String::as_str).collect();
-        let found = direct::find_each(inbox, &borrowed);
-        ids.iter().zip(found).filter_map(|(id, row)| Some((id.clone(), row?.expires_at))).collect()
-    } else {
-        Spi::connect(|client| {
-            let rows = match ids {
-                [id] => inbox.run(client, Stmt::ProbeOne, &[id.as_str().into()]),
-                _ => inbox.run(client, Stmt::Probe, &[ids.to_vec().into()]),
-            };
-            rows.map(|row| {
-                let id: String = row.get(1).ok().flatten().expect("id is NOT NULL");
-                (id, row.get(2).ok().flatten().expect("expires_at is NOT NULL"))
-            })
-            .collect()
-        })
-    };
-    let (live, mut expired): (Vec<_>, Vec<_>) = rows.into_iter().partition(|(_, expires)| *expires > now);
-    expired.sort_unstable_by(|a, b| a.0.cmp(&b.0));
-    (live.into_iter().map(|(id, _)| id).collect(), expired.into_iter().map(|(id, _)| id).collect())
+    let borrowed: Vec<&str> = ids.iter().map(String::as_str).collect();
+    let (live, mut expired): (Vec<_>, Vec<_>) = ids
+        .iter()
+        .zip(rows::find(inbox, &borrowed))
+        .filter_map(|(id, row)| Some((id, row?.expires_at)))
+        .partition(|(_, expires)| *expires > now);
+    expired.sort_unstable_by(|a, b| a.0.cmp(b.0));
+    (live.into_iter().map(|(id, _)| id.clone()).collect(), expired.into_iter().map(|(id, _)| id.clone()).collect())
 }
 
 fn returned_ids(inbox: &Inbox, stmt: Stmt, args: &[pgrx::datum::DatumWithOid<'_>]) -> HashSet<String> {
@@ -259,35 +186,94 @@ fn returned_ids(inbox: &Inbox, stmt: Stmt, args: &[pgrx::datum::DatumWithOid<'_>
 }
 
 /// Is there a live mark for `id` visible to this transaction? The filter answers "certainly not" when it can.
-pub fn seen(inbox: &Inbox, id: &str) -> bool {
-    let Some(filter) = trusted_filter(inbox) else { return live_row(inbox, id) };
-    inbox.count(Counter::Lookups, 1);
-    if !filter.may_contain(id) {
-        inbox.count(Counter::CertainlyNew, 1);
+pub fn seen_id(inbox: &Inbox, id: &str) -> bool {
+    let certainly_new = gate::certainly_new(inbox, id);
+    if certainly_new == Some(true) {
         return false;
     }
-    let seen = live_row(inbox, id);
-    if !seen {
+    let seen = rows::find_one(inbox, id).is_some_and(|row| row.expires_at > statement_now());
+    if !seen && certainly_new == Some(false) {
         inbox.count(Counter::FalsePositives, 1);
     }
     seen
 }
 
-/// Does the index hold a live mark for `id`, visible to this transaction?
-fn live_row(inbox: &Inbox, id: &str) -> bool {
-    if direct::readable(inbox) {
-        return direct::find(inbox, id).is_some_and(|row| row.expires_at > statement_now());
-    }
-    Spi::connect(|client| !inbox.run(client, Stmt::Seen, &[id.into(), statement_now().into()]).is_empty())
-}
-
 /// Deletes the row for `id`, live or expired; true if a live mark was removed.
-pub fn forget(inbox: &Inbox, id: &str) -> bool {
+pub fn forget_id(inbox: &Inbox, id: &str) -> bool {
     Spi::connect(|client| {
         inbox
             .run(client, Stmt::Forget, &[id.into(), statement_now().into()])
             .any(|row| row.get::<bool>(1).ok().flatten() == Some(true))
     })
+}
+
+/// Records `id` in `inbox` for `ttl` (NULL: the inbox's default) inside the current transaction. True the first
+/// time within the window, false for a duplicate. Waits for a concurrent transaction marking the same id.
+#[pg_extern(volatile, parallel_unsafe)]
+fn mark(id: Option<&str>, ttl: default!(Option<Interval>, "NULL"), inbox: default!(Option<&str>, "'default'")) -> bool {
+    input::require_writable("mark");
+    let id = input::id(id);
+    let ttl = ttl.map(input::ttl);
+    let inbox = inbox::open(input::inbox_name(inbox), Access::Mark);
+    mark_ids(&inbox, &[id], ttl)[0]
+}
+
+/// Marks every id in `ids`; returns the ids that were new, each once, in order of first occurrence (a repeat
+/// inside the array is a duplicate of its first occurrence).
+#[pg_extern(volatile, parallel_unsafe)]
+fn mark_many<'a>(
+    ids: Option<Array<'a, &'a str>>,
+    ttl: default!(Option<Interval>, "NULL"),
+    inbox: default!(Option<&str>, "'default'"),
+) -> SetOfIterator<'a, &'a str> {
+    input::require_writable("mark_many");
+    let array = input::id_array(ids);
+    let mut ids = input::ids(&array);
+    let ttl = ttl.map(input::ttl);
+    let inbox = inbox::open(input::inbox_name(inbox), Access::Mark);
+    let new_at = if ids.is_empty() { Vec::new() } else { mark_ids(&inbox, &ids, ttl) };
+    let mut position = 0;
+    ids.retain(|_| {
+        position += 1;
+        new_at[position - 1]
+    });
+    // SAFETY: the ids point into the array's datum, which `Rows` keeps (with the array) until the last row is
+    // returned; only the borrow of the `Array` handle is shorter than that.
+    let new: Vec<&'a str> = unsafe { std::mem::transmute::<Vec<&str>, Vec<&'a str>>(ids) };
+    SetOfIterator::new(Rows { rows: new.into_iter(), _array: array })
+}
+
+/// The rows of a set-returning call that point into one of its arguments, with that argument kept alive: an array
+/// detoasted for the call is freed when its `Array` goes.
+struct Rows<'a> {
+    rows: std::vec::IntoIter<&'a str>,
+    _array: Array<'a, &'a str>,
+}
+
+impl<'a> Iterator for Rows<'a> {
+    type Item = &'a str;
+
+    fn next(&mut self) -> Option<&'a str> {
+        self.rows.next()
+    }
+}
+
+/// Read-only: is a live (unexpired) mark for `id` visible to this transaction?
+#[pg_extern(stable, parallel_restricted)]
+fn seen(id: Option<&str>, inbox: default!(Option<&str>, "'default'")) -> bool {
+    let id = input::id(id);
+    let inbox = inbox::open(input::inbox_name(inbox), Access::Read);
+    seen_id(&inbox, id)
+}
+
+/// Deletes the mark for `id` (operator replay: the next delivery is processed again). True if a live mark was
+/// removed.
+#[pg_extern(volatile, parallel_unsafe)]
+fn forget(id: Option<&str>, inbox: default!(Option<&str>, "'default'")) -> bool {
+    input::require_writable("forget");
+    let id = input::id(id);
+    let inbox = inbox::open(input::inbox_name(inbox), Access::Delete);
+    forget_id(&inbox, id)
 }
 
 #[cfg(any(test, feature = "pg_test"))]
@@ -307,7 +293,7 @@ mod tests {
     }
 
     #[pg_test]
-    fn claim_an_expired_mark_is_renewed_in_place() {
+    fn mark_an_expired_mark_is_renewed_in_place() {
         fresh_inbox("renew");
         run("INSERT INTO dedup.inbox_renew VALUES ('r', now() - interval '1 second')");
         let before = one::<String>("SELECT ctid::text FROM dedup.inbox_renew WHERE id = 'r'");
@@ -324,7 +310,7 @@ mod tests {
     }
 
     #[pg_test]
-    fn claim_mark_many_renews_expired_ids_among_new_and_live_ones() {
+    fn mark_mark_many_renews_expired_ids_among_new_and_live_ones() {
         fresh_inbox("renew_many");
         run("INSERT INTO dedup.inbox_renew_many VALUES ('old-1', now() - interval '1 minute'),
                  ('old-2', now() - interval '1 minute'), ('live', now() + interval '1 hour')");
@@ -337,7 +323,7 @@ mod tests {
     }
 
     #[pg_test]
-    fn claim_a_duplicate_does_not_extend_the_window() {
+    fn mark_a_duplicate_does_not_extend_the_window() {
         fresh_inbox("window");
         run("SELECT dedup.mark('w', '1 hour', 'window')");
         let first = one::<String>("SELECT expires_at::text FROM dedup.inbox_window");
@@ -346,7 +332,7 @@ mod tests {
     }
 
     #[pg_test]
-    fn claim_certainly_new_ids_go_straight_into_heap_and_indexes() {
+    fn mark_certainly_new_ids_go_straight_into_heap_and_indexes() {
         fresh_inbox("direct");
         let calls = trigger_calls();
         assert!(one::<bool>("SELECT dedup.mark('single', NULL, 'direct')"));
@@ -362,7 +348,7 @@ mod tests {
     }
 
     #[pg_test]
-    fn claim_duplicates_are_answered_by_a_lookup_and_counted() {
+    fn mark_duplicates_are_answered_by_a_lookup_and_counted() {
         fresh_inbox("dups");
         run("SELECT * FROM dedup.mark_many(ARRAY['d1', 'd2', 'd3'], NULL, 'dups')");
         assert!(column("SELECT * FROM dedup.mark_many(ARRAY['d1', 'd2', 'd3', 'd1'], NULL, 'dups')").is_empty());
@@ -372,7 +358,7 @@ mod tests {
     }
 
     #[pg_test]
-    fn claim_a_false_positive_is_counted_and_the_id_is_new() {
+    fn mark_a_false_positive_is_counted_and_the_id_is_new() {
         fresh_inbox("fp");
         run("SELECT dedup.mark('gone', NULL, 'fp'); SELECT dedup.forget('gone', 'fp')");
         assert!(one::<bool>("SELECT dedup.mark('gone', NULL, 'fp')"), "the filter said maybe, the index said no");
@@ -380,7 +366,7 @@ mod tests {
     }
 
     #[pg_test]
-    fn claim_an_inbox_with_another_trigger_is_written_by_the_executor() {
+    fn mark_an_inbox_with_another_trigger_is_written_by_the_executor() {
         fresh_inbox("audited");
         run("CREATE TABLE claim_audit (id text);
              CREATE FUNCTION claim_audit() RETURNS trigger LANGUAGE plpgsql AS
@@ -399,7 +385,7 @@ mod tests {
     }
 
     #[pg_test]
-    fn claim_without_a_trusted_filter_the_index_answers_alone() {
+    fn mark_without_a_trusted_filter_the_index_answers_alone() {
         run("SET LOCAL dedup.bloom = off");
         assert!(!one::<bool>("SELECT filter_trusted FROM dedup.stats WHERE inbox = 'default'"));
         assert!(one::<bool>("SELECT dedup.mark('i1')"));
@@ -409,5 +395,85 @@ mod tests {
             8
         );
         assert!(one::<bool>("SELECT dedup.seen('i9')"));
+    }
+
+    #[pg_test]
+    fn mark_mark_is_true_the_first_time_and_false_after() {
+        assert!(one::<bool>("SELECT dedup.mark('api-1')"));
+        assert!(!one::<bool>("SELECT dedup.mark('api-1')"));
+        assert!(!one::<bool>("SELECT dedup.mark('api-1', '1 hour')"), "a ttl does not make a duplicate new");
+        assert_eq!(count("dedup.inbox_default WHERE id = 'api-1'"), 1);
+    }
+    #[pg_test]
+    fn mark_mark_expires_after_its_ttl_or_the_inbox_default() {
+        run("SELECT dedup.create_inbox('api_ttl', '2 days')");
+        run(
+            "SELECT dedup.mark('with-ttl', '90 minutes', 'api_ttl'); SELECT dedup.mark('default-ttl', NULL, 'api_ttl')",
+        );
+        let ttl = |id: &str| {
+            one::<String>(&format!(
+                "SELECT (expires_at - statement_timestamp())::text FROM dedup.inbox_api_ttl WHERE id = '{id}'"
+            ))
+        };
+        // Measured from the start of the statement (the test's one statement, for every call inside it).
+        assert_eq!(ttl("with-ttl"), "01:30:00");
+        assert_eq!(ttl("default-ttl"), "2 days");
+    }
+    #[pg_test]
+    fn mark_inboxes_are_independent_namespaces() {
+        run("SELECT dedup.create_inbox('api_a'); SELECT dedup.create_inbox('api_b')");
+        assert!(one::<bool>("SELECT dedup.mark('same', NULL, 'api_a')"));
+        assert!(one::<bool>("SELECT dedup.mark('same', NULL, 'api_b')"));
+        assert!(!one::<bool>("SELECT dedup.mark('same', NULL, 'api_a')"));
+        assert!(!one::<bool>("SELECT dedup.seen('same')"), "not in the default inbox");
+    }
+    #[pg_test]
+    fn mark_mark_many_returns_new_ids_once_in_first_occurrence_order() {
+        run("SELECT dedup.mark('m-old')");
+        let new = column("SELECT * FROM dedup.mark_many(ARRAY['m-b', 'm-old', 'm-a', 'm-b', 'm-c', 'm-a'])");
+        assert_eq!(new, ["m-b", "m-a", "m-c"]);
+        assert!(column("SELECT * FROM dedup.mark_many(ARRAY['m-a', 'm-b', 'm-c'])").is_empty());
+        assert!(column("SELECT * FROM dedup.mark_many(ARRAY[]::text[])").is_empty());
+    }
+    #[pg_test]
+    fn mark_mark_many_works_through_a_large_array_in_chunks() {
+        // More distinct ids than one chunk holds, with repeats and duplicates of earlier marks mixed in.
+        run("SELECT dedup.mark('big-17'); SELECT dedup.mark('big-24999')");
+        let returned = one::<i64>(
+            "SELECT count(*) FROM dedup.mark_many(
+               (SELECT array_agg('big-' || (g % 25000)) FROM generate_series(0, 29999) g))",
+        );
+        assert_eq!(returned, 24_998);
+        assert_eq!(count("dedup.inbox_default WHERE id LIKE 'big-%'"), 25_000);
+        let first_ten = column(
+            "SELECT * FROM dedup.mark_many((SELECT array_agg('order-' || (10 - g)) FROM generate_series(1, 10) g)) \
+             LIMIT 10",
+        );
+        assert_eq!(first_ten, (0..10).rev().map(|i| format!("order-{i}")).collect::<Vec<_>>(), "array order kept");
+    }
+    #[pg_test]
+    fn mark_seen_answers_for_live_marks_only() {
+        run("SELECT dedup.mark('s-live'); SELECT dedup.mark('s-old', '1 hour')");
+        run("UPDATE dedup.inbox_default SET expires_at = now() - interval '1 second' WHERE id = 's-old'");
+        assert!(one::<bool>("SELECT dedup.seen('s-live')"));
+        assert!(!one::<bool>("SELECT dedup.seen('s-old')"), "an expired mark is not seen");
+        assert!(!one::<bool>("SELECT dedup.seen('s-never')"));
+    }
+    #[pg_test]
+    fn mark_forget_removes_a_mark_and_says_whether_it_was_live() {
+        run("SELECT dedup.mark('f-live'); SELECT dedup.mark('f-old')");
+        run("UPDATE dedup.inbox_default SET expires_at = now() - interval '1 second' WHERE id = 'f-old'");
+        assert!(one::<bool>("SELECT dedup.forget('f-live')"));
+        assert!(!one::<bool>("SELECT dedup.forget('f-old')"), "an expired mark was not live");
+        assert!(!one::<bool>("SELECT dedup.forget('f-never')"));
+        assert_eq!(count("dedup.inbox_default WHERE id IN ('f-live', 'f-old')"), 0, "both rows are gone");
+        assert!(one::<bool>("SELECT dedup.mark('f-live')"), "forgotten: new again");
+    }
+    #[pg_test]
+    fn mark_a_rolled_back_savepoint_takes_its_marks() {
+        // A subtransaction rolled back, as ROLLBACK TO SAVEPOINT does it.
+        rolled_back(|| run("SELECT dedup.mark('sp-1'); SELECT * FROM dedup.mark_many(ARRAY['sp-2', 'sp-3'])"));
+        assert!(!one::<bool>("SELECT dedup.seen('sp-1')"));
+        assert_eq!(column("SELECT * FROM dedup.mark_many(ARRAY['sp-1', 'sp-2', 'sp-3'])").len(), 3);
     }
 }

@@ -1,0 +1,87 @@
+-- pg_dedup 0.3.0 -> 0.4.0.
+--
+-- What changes:
+-- 1. attach() (docs/ingest.md): PostgreSQL records what an attachment's key uses (functions, operators, types,
+--    columns) as dependencies of its trigger, as for an index expression, so dropping one is refused (or, with
+--    CASCADE, takes the trigger and so the attachment); and the trigger fires for UPDATE and DELETE too, so that a
+--    row an UPDATE moves to another partition is not dropped as a duplicate of itself. Every attachment is made
+--    again here with attach() (which analyses the key as the table's owner, in a security-restricted operation);
+--    one whose key no longer fits its table stays as 0.3.0 made it, with a WARNING naming it. Before that,
+--    attachments whose table is gone or no longer has its trigger (a temporary table attached with 0.3.0 whose
+--    session ended, a table dropped while the event trigger was disabled) are removed: 0.3.0 kept them, and
+--    drop_inbox() then refused their inbox for good. attach() now refuses temporary tables; one attached with 0.3.0
+--    is left as it is (its session's end takes it, and the next attach(), detach() or drop_inbox() removes its
+--    attachment).
+-- 2. dedup.stats reads the counters by name, from dedup.inbox_figures() (src/shmem.rs holds their one list), in
+--    place of dedup.inbox_counters(), whose row every new counter had to be added to. The view's columns stay as
+--    they were (CREATE OR REPLACE keeps its grants).
+\echo Use "ALTER EXTENSION pg_dedup UPDATE TO '0.4.0'" to load this file. \quit
+
+DELETE FROM dedup.attachment_registry a
+ WHERE NOT EXISTS (SELECT 1 FROM pg_catalog.pg_trigger t
+                    WHERE t.tgrelid OPERATOR(pg_catalog.=) a.tbl
+                      AND t.tgname OPERATOR(pg_catalog.=) 'zz_dedup_attached'
+                      AND t.tgparentid OPERATOR(pg_catalog.=) 0);
+DO $reattach$
+DECLARE
+    a record;
+BEGIN
+    FOR a IN
+        SELECT r.tbl, r.key, r.ttl, r.inbox, r.on_duplicate
+          FROM dedup.attachment_registry r
+          JOIN pg_catalog.pg_class c ON c.oid OPERATOR(pg_catalog.=) r.tbl
+         WHERE c.relpersistence OPERATOR(pg_catalog.<>) 't'
+    LOOP
+        BEGIN
+            PERFORM dedup.attach(a.tbl, a.key, a.ttl, a.inbox, a.on_duplicate);
+        EXCEPTION WHEN OTHERS THEN
+            RAISE WARNING 'pg_dedup: % stays attached as pg_dedup 0.3.0 attached it: %', a.tbl, SQLERRM
+                USING HINT = 'What its key uses is not recorded, and an UPDATE that moves its rows between '
+                             'partitions drops them. Attach it again with a key that fits the table, or detach it.';
+        END;
+    END LOOP;
+END
+$reattach$;
+
+CREATE FUNCTION dedup.inbox_figures() RETURNS TABLE (
+	"inbox" TEXT,
+	"backlog" bigint,
+	"filter_trusted" bool,
+	"filter_trigger" TEXT,
+	"counters" jsonb
+)
+STRICT VOLATILE PARALLEL SAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'inbox_figures_wrapper';
+REVOKE ALL ON FUNCTION dedup.inbox_figures() FROM PUBLIC;
+-- Whoever reads dedup.stats needs EXECUTE on its functions: roles that could execute the old one may execute the new.
+DO $grants$
+DECLARE
+    grantee text;
+BEGIN
+    FOR grantee IN
+        SELECT DISTINCT CASE WHEN a.grantee OPERATOR(pg_catalog.=) 0 THEN 'PUBLIC'
+                             ELSE a.grantee::pg_catalog.regrole::text END
+          FROM pg_catalog.pg_proc p, pg_catalog.aclexplode(p.proacl) a
+         WHERE p.oid OPERATOR(pg_catalog.=) 'dedup.inbox_counters()'::pg_catalog.regprocedure
+           AND a.grantee OPERATOR(pg_catalog.<>) p.proowner
+    LOOP
+        EXECUTE pg_catalog.format('GRANT EXECUTE ON FUNCTION dedup.inbox_figures() TO %s', grantee);
+    END LOOP;
+END
+$grants$;
+CREATE OR REPLACE VIEW dedup.stats AS
+SELECT i.inbox, c.marks, c.duplicates, c.renewals, c.purged, i.backlog, c.lookups, c.certainly_new,
+       c.false_positives, i.filter_trusted,
+       w.*, f.*,
+       i.filter_trigger, c.claims_new, c.claims_completed, c.claims_in_progress, c.fingerprint_mismatches,
+       c.lease_takeovers, c.advances, c.stale_advances, c.rows_passed, c.rows_dropped
+  FROM dedup.inbox_figures() AS i
+  LEFT JOIN LATERAL pg_catalog.jsonb_to_record(i.counters)
+         AS c(marks bigint, duplicates bigint, renewals bigint, purged bigint, lookups bigint, certainly_new bigint,
+              false_positives bigint, claims_new bigint, claims_completed bigint, claims_in_progress bigint,
+              fingerprint_mismatches bigint, lease_takeovers bigint, advances bigint, stale_advances bigint,
+              rows_passed bigint, rows_dropped bigint) ON true
+ CROSS JOIN dedup.worker_stats() AS w
+ CROSS JOIN dedup.filter_stats() AS f;
+DROP FUNCTION dedup.inbox_counters();
