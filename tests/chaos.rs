@@ -159,19 +159,8 @@ fn kill_randomly(broker: &Broker, slots: &[Slot], rng: &mut Rng, stream: usize, 
     }
 }
 
-/// Fails with the seed to replay when dropped by a panic.
-struct NameSeedOnFailure(u64);
-
-impl Drop for NameSeedOnFailure {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            eprintln!("consumer chaos failed in the run with seed {0}: replay it with CHAOS_SEED={0}", self.0);
-        }
-    }
-}
-
 fn run(cluster: &Cluster, admin: &mut pg_dedup_harness::postgres::Client, seed: u64, totals: &Mutex<Totals>) {
-    let _name = NameSeedOnFailure(seed);
+    let _seed = SeedOnFailure("consumer chaos", "CHAOS_SEED", seed);
     // A fresh ledger and inbox per run.
     admin
         .batch_execute(

@@ -194,3 +194,16 @@ pub fn mark_and_record(c: &mut Client, ids: &[String]) -> Result<(), postgres::E
     tx.execute("INSERT INTO ledger SELECT unnest($1::text[])", &[&ids])?;
     tx.commit()
 }
+
+/// Names the seed of a randomised run, and the variable that replays it, when dropped by a panic:
+/// `let _seed = SeedOnFailure("consumer chaos", "CHAOS_SEED", seed);`.
+pub struct SeedOnFailure(pub &'static str, pub &'static str, pub u64);
+
+impl Drop for SeedOnFailure {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let SeedOnFailure(what, variable, seed) = *self;
+            eprintln!("{what} failed in the run with seed {seed}: replay it with {variable}={seed}");
+        }
+    }
+}

@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 pub use postgres;
 
 pub mod citus;
+pub mod kafka;
 pub mod rabbitmq;
 pub mod replay;
 

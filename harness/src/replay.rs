@@ -3,10 +3,11 @@
 //! in one transaction), the points where a consumer can die, and the exactly-once check of the ledger.
 //!
 //! Everything above [`Broker`] is independent of the broker; [`Broker`] is the in-memory one the demo uses by
-//! default, and [`amqp`] runs the same replay through a real RabbitMQ (`demo --rabbitmq`).
+//! default, [`amqp`] runs the same replay through a real RabbitMQ (`demo --rabbitmq`) and [`kafka`] through a
+//! Kafka-protocol broker (`demo --kafka`).
 
 use postgres::Client;
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
@@ -14,6 +15,7 @@ use std::sync::Mutex;
 pub use fastrand::Rng;
 
 pub mod amqp;
+pub mod kafka;
 
 /// Accounts in the ledger, numbered 1 to `ACCOUNTS`.
 pub const ACCOUNTS: i32 = 20;
@@ -114,6 +116,29 @@ pub mod sql {
     pub const MARK: &str = "SELECT dedup.mark($1, NULL, 'payments')";
     /// Applies a payment ($1 account, $2 amount): run only when the mark was new.
     pub const CREDIT: &str = "UPDATE accounts SET balance = balance + $2 WHERE id = $1";
+    /// Claims a batch's ids ($1 text[]): returns those seen for the first time, each once.
+    pub const MARK_MANY: &str = "SELECT dedup.mark_many($1, NULL, 'payments')";
+    /// Moves position key $1 forward to $2: true when $2 is beyond the stored position.
+    pub const ADVANCE: &str = "SELECT dedup.advance($1, $2, 'payments')";
+    /// Locks a batch's accounts ($1 int[]) in the order of their ids. Two batches that update the same accounts
+    /// in different orders deadlock; locked in one order, the second waits for the first.
+    pub const LOCK_ACCOUNTS: &str = "SELECT id FROM accounts WHERE id = ANY($1) ORDER BY id FOR UPDATE";
+    /// Applies a batch of payments ($1 accounts, $2 amounts) in one statement: summed per account first, since
+    /// UPDATE ... FROM applies only one of several source rows that match the same account.
+    pub const CREDIT_MANY: &str = "UPDATE accounts a SET balance = a.balance + d.amount \
+         FROM (SELECT account, sum(amount)::bigint AS amount FROM unnest($1::int[], $2::bigint[]) AS t(account, amount) \
+               GROUP BY account) d \
+         WHERE a.id = d.account";
+}
+
+/// What tells a consumer that a delivery is new.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Claim<'a> {
+    /// Its event id, marked in the inbox: `dedup.mark()`, or `dedup.mark_many()` in a batch.
+    Id,
+    /// Its position in an ordered stream, such as a Kafka partition's offset: `dedup.advance(key, offset)`. The
+    /// offsets of one key come in increasing order, as a partition's do.
+    Position { key: &'a str, offset: i64 },
 }
 
 /// The consumer's work for one delivery, the inbox way: BEGIN; `dedup.mark()`; the balance update only when the
@@ -121,18 +146,134 @@ pub mod sql {
 /// `dies_at(point)`; on `true` it stops right there and returns `Err(point)`, leaving the transaction open for
 /// the caller to abandon. The fourth point, after COMMIT but before the ack, lies between this and the caller's
 /// ack. Errors from the server panic: in this replay they are bugs.
-pub fn apply(db: &mut Client, event: &Event, mut dies_at: impl FnMut(Crash) -> bool) -> Result<bool, Crash> {
+pub fn apply(db: &mut Client, event: &Event, dies_at: impl FnMut(Crash) -> bool) -> Result<bool, Crash> {
+    apply_as(db, event, Claim::Id, dies_at)
+}
+
+/// [`apply`] with the delivery claimed as `claim` says: by its id (`mark()`) or its position (`advance()`).
+pub fn apply_as(
+    db: &mut Client,
+    event: &Event,
+    claim: Claim,
+    dies_at: impl FnMut(Crash) -> bool,
+) -> Result<bool, Crash> {
+    transaction(
+        db,
+        dies_at,
+        |db| {
+            let row = match claim {
+                Claim::Id => db.query_one(sql::MARK, &[&event.id]),
+                Claim::Position { key, offset } => db.query_one(sql::ADVANCE, &[&key, &offset]),
+            };
+            row.expect("claim the delivery").get(0)
+        },
+        |db, &new| {
+            if new {
+                db.execute(sql::CREDIT, &[&event.account, &event.amount]).expect("update balance");
+            }
+        },
+    )
+}
+
+/// [`apply`] for a batch of deliveries in one transaction: every claim first (one `mark_many()` for the ids, the
+/// positions as [`claim_positions`] says), then one update for all the new payments. Returns which deliveries
+/// were new, in order; the crash points are those of [`apply`], once for the whole batch.
+pub fn apply_batch(
+    db: &mut Client,
+    batch: &[(&Event, Claim)],
+    dies_at: impl FnMut(Crash) -> bool,
+) -> Result<Vec<bool>, Crash> {
+    transaction(
+        db,
+        dies_at,
+        |db| {
+            let mut new = vec![false; batch.len()];
+            let ids: Vec<&str> = batch.iter().filter(|(_, c)| *c == Claim::Id).map(|(e, _)| e.id.as_str()).collect();
+            if !ids.is_empty() {
+                let rows = db.query(sql::MARK_MANY, &[&ids]).expect("mark_many");
+                let mut fresh: HashSet<String> = rows.iter().map(|r| r.get(0)).collect();
+                for (i, (event, claim)) in batch.iter().enumerate() {
+                    // remove(): only the first occurrence of an id repeated inside the batch is new.
+                    new[i] = *claim == Claim::Id && fresh.remove(&event.id);
+                }
+            }
+            claim_positions(db, batch, &mut new);
+            new
+        },
+        |db, new| {
+            let (accounts, amounts): (Vec<i32>, Vec<i64>) =
+                batch.iter().zip(new).filter(|(_, &n)| n).map(|((e, _), _)| (e.account, e.amount)).unzip();
+            if !accounts.is_empty() {
+                db.execute(sql::LOCK_ACCOUNTS, &[&accounts]).expect("lock the accounts");
+                db.execute(sql::CREDIT_MANY, &[&accounts, &amounts]).expect("update balances");
+            }
+        },
+    )
+}
+
+/// Claims the batch's positions, key by key in sorted order (so that two consumers claiming the same keys cannot
+/// deadlock): `advance()` of each offset in order until one moves the key forward.
+/// That one is new, and so is every later offset of the key in the batch, since the stored position lies below
+/// it and the row lock that `advance()` now holds keeps every other consumer waiting; a last `advance()` stores
+/// the key's last offset. Normally the first offset is ahead: two calls per key and batch, whatever its size.
+fn claim_positions(db: &mut Client, batch: &[(&Event, Claim)], new: &mut [bool]) {
+    let mut keys: Vec<&str> = Vec::new();
+    for (_, claim) in batch {
+        if let Claim::Position { key, .. } = claim {
+            if !keys.contains(key) {
+                keys.push(key);
+            }
+        }
+    }
+    let mut advance =
+        |key: &str, offset: i64| -> bool { db.query_one(sql::ADVANCE, &[&key, &offset]).expect("advance").get(0) };
+    keys.sort_unstable();
+    for key in keys {
+        let offsets: Vec<(usize, i64)> = batch
+            .iter()
+            .enumerate()
+            .filter_map(|(i, (_, claim))| match claim {
+                Claim::Position { key: k, offset } if *k == key => Some((i, *offset)),
+                _ => None,
+            })
+            .collect();
+        let Some(first_new) = offsets.iter().position(|&(_, offset)| advance(key, offset)) else { continue };
+        for &(i, _) in &offsets[first_new..] {
+            new[i] = true;
+        }
+        let (last, ahead) = (offsets[offsets.len() - 1].1, offsets[first_new].1);
+        if last > ahead {
+            assert!(advance(key, last), "advance({key}, {last}) under our own row lock was refused");
+        }
+    }
+}
+
+/// BEGIN; `claim`; `credit` with what it claimed; COMMIT; with the crash points of [`apply`] between.
+fn transaction<T>(
+    db: &mut Client,
+    mut dies_at: impl FnMut(Crash) -> bool,
+    claim: impl FnOnce(&mut Client) -> T,
+    credit: impl FnOnce(&mut Client, &T),
+) -> Result<T, Crash> {
     let mut point = |p| if dies_at(p) { Err(p) } else { Ok(()) };
     point(Crash::BeforeMark)?;
     db.batch_execute("BEGIN").expect("BEGIN");
-    let new: bool = db.query_one(sql::MARK, &[&event.id]).expect("mark").get(0);
+    let new = claim(db);
     point(Crash::AfterMark)?;
-    if new {
-        db.execute(sql::CREDIT, &[&event.account, &event.amount]).expect("update balance");
-    }
+    credit(db, &new);
     point(Crash::BeforeCommit)?;
     db.batch_execute("COMMIT").expect("COMMIT");
     Ok(new)
+}
+
+/// A consumer process dies at `point`: it prints `crash <point>` (so whoever runs it knows where) and kills
+/// itself with SIGKILL: no rollback, no goodbye to the broker or the database, no exit handlers, like a real crash.
+pub fn die(point: Crash) -> ! {
+    // stdout is line-buffered: the line is in the pipe before the signal.
+    println!("crash {}", point.name());
+    // SAFETY: raising a signal has no preconditions; SIGKILL ends the process here.
+    unsafe { libc::raise(libc::SIGKILL) };
+    unreachable!("SIGKILL returned")
 }
 
 /// The ledger compared with the exactly-once effect of `events` (each applied once).

@@ -7,16 +7,8 @@
 //! It leaves with status 0 when stdin closes; any other way out than these two is a bug the test reports.
 
 use pg_dedup_harness::postgres::{Client, NoTls};
-use pg_dedup_harness::replay::{self, Crash, Event};
+use pg_dedup_harness::replay::{self, die, Crash, Event};
 use std::io::BufRead;
-
-fn die(point: Crash) -> ! {
-    // stdout is line-buffered: the line is in the pipe before the signal.
-    println!("crash {}", point.name());
-    // SAFETY: raising a signal has no preconditions; SIGKILL ends the process here.
-    unsafe { libc::raise(libc::SIGKILL) };
-    unreachable!("SIGKILL returned")
-}
 
 fn main() {
     let conn = std::env::args().nth(1).expect("usage: chaos_consumer CONNSTRING");

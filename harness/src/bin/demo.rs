@@ -11,18 +11,37 @@
 //! loopback, a durable queue, persistent messages with publisher confirms, and consumers with their own AMQP and
 //! Postgres connections that die the same way. RabbitMQ redelivers what they did not acknowledge.
 //!
-//! Options: --rabbitmq --events N (2000) --consumers N (4) --duplicate-rate F (0.2) --crash-rate F (0.05) --seed N
+//! With --kafka it goes through a Kafka-protocol broker (replay::kafka): a throwaway Tansu on loopback, a topic of
+//! six partitions, and a consumer group whose members are processes (this program again, `--kafka-member`) that
+//! kill themselves at the four points; each place in the group starts a new member, so the group rebalances. The
+//! members commit a partition's offset after COMMIT, or with --offsets commit none and keep the offsets with
+//! `dedup.advance()` in the same transaction instead. --batch N applies up to N records per transaction.
+//!
+//! Options: --rabbitmq | --kafka [--offsets] [--batch N (1)], --events N (2000) --consumers N (4)
+//! --duplicate-rate F (0.2; 0 with --offsets) --crash-rate F (0.05; 0.003 with --kafka) --seed N
 
+use pg_dedup_harness::kafka::Tansu;
 use pg_dedup_harness::rabbitmq::RabbitMq;
 use pg_dedup_harness::replay::amqp::{self, Traffic};
+use pg_dedup_harness::replay::kafka::{self, Road};
 use pg_dedup_harness::replay::{self, Broker, Crash, Event, Rng, Tally, ACCOUNTS};
 use pg_dedup_harness::Cluster;
 use std::io::Write;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+/// Which broker the stream goes through.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Through {
+    Memory,
+    RabbitMq,
+    Kafka(Road),
+}
+
 struct Options {
-    rabbitmq: bool,
+    through: Through,
+    /// Records per transaction (--kafka).
+    batch: usize,
     events: usize,
     consumers: usize,
     duplicate_rate: f64,
@@ -31,27 +50,62 @@ struct Options {
 }
 
 fn parse_options() -> Options {
-    let mut o =
-        Options { rabbitmq: false, events: 2000, consumers: 4, duplicate_rate: 0.2, crash_rate: 0.05, seed: 42 };
+    let mut o = Options {
+        through: Through::Memory,
+        batch: 1,
+        events: 2000,
+        consumers: 4,
+        duplicate_rate: 0.2,
+        crash_rate: 0.05,
+        seed: 42,
+    };
+    let (mut duplicate_rate, mut crash_rate, mut offsets) = (None, None, false);
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
-        if flag == "--rabbitmq" {
-            o.rabbitmq = true;
-            continue;
-        }
-        let value = args.next().unwrap_or_else(|| usage(&format!("missing value for {flag}")));
-        let (flag, value) = (flag.as_str(), value.as_str());
-        match flag {
-            "--events" => o.events = parse(flag, value),
-            "--consumers" => o.consumers = parse(flag, value),
-            "--duplicate-rate" => o.duplicate_rate = parse(flag, value),
-            "--crash-rate" => o.crash_rate = parse(flag, value),
-            "--seed" => o.seed = parse(flag, value),
-            _ => usage(&format!("unknown option {flag}")),
+        match flag.as_str() {
+            "--rabbitmq" => o.through = Through::RabbitMq,
+            "--kafka" => o.through = Through::Kafka(Road::Ids),
+            "--offsets" => offsets = true,
+            _ => {
+                let value = args.next().unwrap_or_else(|| usage(&format!("missing value for {flag}")));
+                let (flag, value) = (flag.as_str(), value.as_str());
+                match flag {
+                    "--events" => o.events = parse(flag, value),
+                    "--consumers" => o.consumers = parse(flag, value),
+                    "--duplicate-rate" => duplicate_rate = Some(parse(flag, value)),
+                    "--crash-rate" => crash_rate = Some(parse(flag, value)),
+                    "--seed" => o.seed = parse(flag, value),
+                    "--batch" => o.batch = parse(flag, value),
+                    _ => usage(&format!("unknown option {flag}")),
+                }
+            }
         }
     }
-    if o.consumers == 0 || !(0.0..1.0).contains(&o.duplicate_rate) || !(0.0..1.0).contains(&o.crash_rate) {
-        usage("need at least one consumer, and rates in [0, 1)");
+    if offsets {
+        if o.through != Through::Kafka(Road::Ids) {
+            usage("--offsets is a road of --kafka");
+        }
+        o.through = Through::Kafka(Road::Offsets);
+        // Positions recognise a record read again, not an event published twice: a producer's retry is a record
+        // of its own, at an offset of its own, which this road applies (docs/kafka.md).
+        if duplicate_rate.is_some_and(|r| r > 0.0) {
+            usage("--offsets deduplicates by offset, and a producer retry is a new record: use --duplicate-rate 0");
+        }
+        o.duplicate_rate = 0.0;
+    }
+    if o.batch != 1 && !matches!(o.through, Through::Kafka(_)) {
+        usage("--batch is an option of --kafka");
+    }
+    o.duplicate_rate = duplicate_rate.unwrap_or(o.duplicate_rate);
+    // A member killed in a Kafka group costs a rebalance, about two seconds in which the group applies nothing.
+    let default_crash_rate = if matches!(o.through, Through::Kafka(_)) { 0.003 } else { 0.05 };
+    o.crash_rate = crash_rate.unwrap_or(default_crash_rate);
+    if o.consumers == 0
+        || o.batch == 0
+        || !(0.0..1.0).contains(&o.duplicate_rate)
+        || !(0.0..1.0).contains(&o.crash_rate)
+    {
+        usage("need at least one consumer, batches of at least one, and rates in [0, 1)");
     }
     o
 }
@@ -62,7 +116,10 @@ fn parse<T: std::str::FromStr>(flag: &str, value: &str) -> T {
 
 fn usage(problem: &str) -> ! {
     eprintln!("demo: {problem}");
-    eprintln!("usage: demo [--rabbitmq] [--events N] [--consumers N] [--duplicate-rate F] [--crash-rate F] [--seed N]");
+    eprintln!(
+        "usage: demo [--rabbitmq | --kafka [--offsets] [--batch N]] [--events N] [--consumers N] [--duplicate-rate F] \
+         [--crash-rate F] [--seed N]"
+    );
     std::process::exit(2)
 }
 
@@ -93,31 +150,61 @@ struct Replayed {
     delivered: u64,
     redelivered: u64,
     seconds: f64,
-    /// Messages still in the broker at the end: none, if every delivery was acknowledged.
+    /// Messages still in the broker at the end (Kafka: records beyond what the group finished): none, if every
+    /// delivery was acknowledged.
     left: u64,
+    /// Kafka's own figures, printed after the common ones.
+    kafka: Option<KafkaFigures>,
+}
+
+struct KafkaFigures {
+    rebalances: u64,
+    deaths: [u64; 4],
+    refused_commits: u64,
+    transactions: u64,
+    transaction_micros: u64,
+    offset_commit_micros: u64,
 }
 
 fn main() {
+    // The demo is its own Kafka group member: `demo --kafka-member ...` is one member process (replay::kafka).
+    if std::env::args().nth(1).as_deref() == Some("--kafka-member") {
+        kafka::member_main(std::env::args().skip(2));
+        return;
+    }
     let o = parse_options();
-    let through = if o.rabbitmq { " through RabbitMQ" } else { "" };
+    let through = match o.through {
+        Through::Memory => String::new(),
+        Through::RabbitMq => " through RabbitMQ".to_owned(),
+        Through::Kafka(road) => {
+            let batch =
+                if o.batch > 1 { format!(", up to {} records per transaction", o.batch) } else { String::new() };
+            match road {
+                Road::Ids => format!(" through Kafka (ids marked, offsets committed after COMMIT{batch})"),
+                Road::Offsets => format!(" through Kafka (offsets kept by dedup.advance(), none committed{batch})"),
+            }
+        }
+    };
     println!(
-        "pg_dedup demo{through}: {} payment events, {} consumers, {:.0}% producer retries, {:.0}% consumer crashes",
+        "pg_dedup demo{through}: {} payment events, {} consumers, {:.0}% producer retries, {:.1}% consumer crashes",
         o.events,
         o.consumers,
         o.duplicate_rate * 100.0,
         o.crash_rate * 100.0
     );
     let started = Instant::now();
-    // RabbitMQ boots (in a few seconds) while Postgres starts. The node is stopped and removed when dropped: at
-    // the end, or when anything below fails.
-    let (cluster, mut admin, postgres_took, node) = std::thread::scope(|s| {
-        let node = o.rabbitmq.then(|| s.spawn(|| (RabbitMq::start(), started.elapsed())));
+    // The broker boots (RabbitMQ in a few seconds, Tansu at once) while Postgres starts. It is stopped and removed
+    // when dropped: at the end, or when anything below fails.
+    let (cluster, mut admin, postgres_took, node, tansu) = std::thread::scope(|s| {
+        let node = (o.through == Through::RabbitMq).then(|| s.spawn(|| (RabbitMq::start(), started.elapsed())));
+        let tansu = matches!(o.through, Through::Kafka(_)).then(|| s.spawn(|| (Tansu::start(), started.elapsed())));
         // The full product: preloaded, so the shared Bloom filter and the purge worker run too.
         let cluster = Cluster::start(&["shared_preload_libraries = 'pg_dedup'", "dedup.database = 'demo'"]);
         let mut admin = cluster.fresh_db("demo");
         replay::prepare(&mut admin).expect("prepare the demo database");
         let postgres_took = started.elapsed();
-        (cluster, admin, postgres_took, node.map(|n| n.join().expect("start RabbitMQ")))
+        let node = node.map(|n| n.join().expect("start RabbitMQ"));
+        (cluster, admin, postgres_took, node, tansu.map(|t| t.join().expect("start Tansu")))
     });
     println!(
         "  throwaway PostgreSQL {} started in {:.1}s (pg_dedup installed, inbox 'payments')",
@@ -134,49 +221,124 @@ fn main() {
         );
         node
     });
+    let tansu = tansu.map(|(tansu, took)| {
+        println!(
+            "  throwaway Kafka broker ({}) started in {:.1}s (127.0.0.1:{}; topic '{}' of {} partitions, group '{}')",
+            Tansu::version(),
+            took.as_secs_f64(),
+            tansu.port,
+            kafka::TOPIC,
+            kafka::PARTITIONS,
+            kafka::GROUP
+        );
+        tansu
+    });
 
     // The producer: every event once, some of them twice (a retry after a lost publisher confirm).
     let mut rng = Rng::with_seed(o.seed);
     let events = replay::events("payment", o.events, &mut rng);
     let stream = replay::publish(&events, o.duplicate_rate, &mut rng);
     let tally = Tally::default();
-    let replayed = match &node {
-        Some(node) => through_rabbitmq(&o, &cluster, node, &stream, &tally),
-        None => in_memory(&o, &cluster, stream, &tally),
+    let replayed = match (&node, &tansu) {
+        (Some(node), _) => through_rabbitmq(&o, &cluster, node, &stream, &tally),
+        (_, Some(tansu)) => through_kafka(&o, &cluster, tansu, &stream, &tally),
+        _ => in_memory(&o, &cluster, stream, &tally),
     };
     println!();
 
     let ledger = replay::check_ledger(&mut admin, &events).expect("read the ledger");
     let marks: i64 = admin.query_one("SELECT count(*) FROM dedup.inbox_payments", &[]).unwrap().get(0);
+    let positions: i64 = admin.query_one("SELECT count(*) FROM dedup.positions", &[]).unwrap().get(0);
     let filter = admin
         .query_one("SELECT lookups, certainly_new, filter_state FROM dedup.stats WHERE inbox = 'payments'", &[])
         .unwrap();
     let (lookups, certainly_new, filter_state): (i64, i64, String) = (filter.get(0), filter.get(1), filter.get(2));
 
     let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
-    let Replayed { published, delivered, redelivered, seconds, left } = replayed;
+    let Replayed { published, delivered, redelivered, seconds, left, kafka: figures } = replayed;
     let crashes = load(&tally.crashes);
-    let (confirmed, redelivered_note) = if node.is_some() {
-        // A dying consumer gives back every delivery it holds unacknowledged, not only the one it was applying.
-        let held = format!("flagged by RabbitMQ: what {crashes} crashed consumers held, up to {} each", amqp::PREFETCH);
-        (", each confirmed", held)
-    } else {
-        ("", format!("after {crashes} consumer crashes"))
+    let retries = published - o.events as u64;
+    let row = |name: &str, value: u64, note: &str| {
+        let note = if note.is_empty() { String::new() } else { format!("  ({note})") };
+        println!("  {name:<22}{value:>10}{note}");
     };
     println!();
-    let retries = published - o.events as u64;
-    println!("  {:<22}{:>10}  ({} events + {retries} producer retries{confirmed})", "published", published, o.events);
-    println!("  {:<22}{:>10}", "delivered", delivered);
-    println!("  {:<22}{:>10}  ({redelivered_note})", "redelivered", redelivered);
-    println!("  {:<22}{:>10}", "duplicates dropped", load(&tally.duplicates));
-    println!("  {:<22}{:>10}  ({} marks in dedup.inbox_payments)", "applied", load(&tally.applied), marks);
+    let confirmed = match o.through {
+        Through::Memory => "",
+        Through::RabbitMq => ", each confirmed",
+        Through::Kafka(_) => ", each acknowledged by the broker",
+    };
+    row("published", published, &format!("{} events + {retries} producer retries{confirmed}", o.events));
+    row("delivered", delivered, "");
+    match (&figures, o.through) {
+        (Some(k), Through::Kafka(road)) => {
+            let d = k.deaths;
+            let why = format!(
+                "records the group read again, after {crashes} members were killed: \
+                 {}/{}/{}/{} before mark/after mark/before commit/after commit",
+                d[0], d[1], d[2], d[3]
+            );
+            row("re-read", redelivered, &why);
+            row(
+                "rebalances",
+                k.rebalances,
+                &format!("the group stopped to reassign its {} partitions", kafka::PARTITIONS),
+            );
+            if road == Road::Ids {
+                row("offset commits refused", k.refused_commits, "the group had rebalanced: their records are re-read");
+            }
+        }
+        _ => {
+            let note = match o.through {
+                // A dying consumer gives back every delivery it holds unacknowledged, not only the one it was
+                // applying.
+                Through::RabbitMq => {
+                    format!("flagged by RabbitMQ: what {crashes} crashed consumers held, up to {} each", amqp::PREFETCH)
+                }
+                _ => format!("after {crashes} consumer crashes"),
+            };
+            row("redelivered", redelivered, &note);
+        }
+    }
+    if o.through == Through::Kafka(Road::Offsets) {
+        row("stale records skipped", load(&tally.duplicates), "advance() refused them: their offsets were stored");
+        let note = format!("{positions} positions in dedup.positions, one per partition");
+        row("applied", load(&tally.applied), &note);
+    } else {
+        row("duplicates dropped", load(&tally.duplicates), "");
+        row("applied", load(&tally.applied), &format!("{marks} marks in dedup.inbox_payments"));
+    }
     println!("  {:<22}{:>10}  in {seconds:.1}s ({:.0} deliveries/s)", "", "", delivered as f64 / seconds);
-    println!(
-        "  {:<22}{:>10}  lookups, {certainly_new} answered \"certainly new\" without the index (filter {filter_state})",
-        "Bloom filter", lookups
-    );
-    if node.is_some() {
-        println!("  {:<22}{:>10}  messages (each delivery acknowledged after its COMMIT)", "left in the queue", left);
+    if let Some(k) = &figures {
+        let per = |micros: u64| micros as f64 / k.transactions.max(1) as f64 / 1000.0;
+        let records = load(&tally.applied) + load(&tally.duplicates);
+        let offset_commits = match o.through {
+            Through::Kafka(Road::Ids) => format!(", then {:.2} ms committing offsets", per(k.offset_commit_micros)),
+            _ => ", no offset commit".to_owned(),
+        };
+        println!(
+            "  {:<22}{:>10}  transactions of {:.1} records on average: {:.2} ms each from BEGIN to COMMIT{offset_commits}",
+            "per transaction",
+            k.transactions,
+            records as f64 / k.transactions.max(1) as f64,
+            per(k.transaction_micros)
+        );
+    }
+    if o.through != Through::Kafka(Road::Offsets) {
+        println!(
+            "  {:<22}{:>10}  lookups, {certainly_new} answered \"certainly new\" without the index (filter {filter_state})",
+            "Bloom filter", lookups
+        );
+    }
+    match o.through {
+        Through::RabbitMq => row("left in the queue", left, "messages; each delivery acknowledged after its COMMIT"),
+        Through::Kafka(Road::Ids) => {
+            row("left unfinished", left, "records past the group's committed offsets, as the broker has them")
+        }
+        Through::Kafka(Road::Offsets) => {
+            row("left unfinished", left, "records past the stored positions, as dedup.position() has them")
+        }
+        Through::Memory => {}
     }
     println!();
     let ok = ledger.ok() && load(&tally.applied) == o.events as u64 && left == 0;
@@ -194,10 +356,15 @@ fn main() {
         );
     }
     drop(admin);
-    let rabbitmq = if node.is_some() { " and RabbitMQ node" } else { "" };
+    let broker = match o.through {
+        Through::Memory => "",
+        Through::RabbitMq => " and RabbitMQ node",
+        Through::Kafka(_) => " and Kafka broker",
+    };
     drop(node);
+    drop(tansu);
     cluster.destroy();
-    println!("  throwaway cluster{rabbitmq} stopped and removed.");
+    println!("  throwaway cluster{broker} stopped and removed.");
     if !ok {
         std::process::exit(1);
     }
@@ -238,6 +405,7 @@ fn in_memory(o: &Options, cluster: &Cluster, stream: Vec<Event>, tally: &Tally) 
         redelivered: load(&broker.redelivered),
         seconds: replay.elapsed().as_secs_f64(),
         left,
+        kafka: None,
     }
 }
 
@@ -265,7 +433,53 @@ fn through_rabbitmq(o: &Options, cluster: &Cluster, node: &RabbitMq, stream: &[E
         redelivered: load(&traffic.redelivered),
         seconds: replay.elapsed().as_secs_f64(),
         left: left.into(),
+        kafka: None,
     }
+}
+
+/// The Kafka-protocol broker: a producer, and a group of member processes (replay::kafka), this program again.
+fn through_kafka(o: &Options, cluster: &Cluster, tansu: &Tansu, stream: &[Event], tally: &Tally) -> Replayed {
+    let Through::Kafka(road) = o.through else { unreachable!("through_kafka without --kafka") };
+    let (bootstrap, postgres) = (tansu.bootstrap(), cluster.conn_string("demo", "postgres"));
+    let program = kafka::Program {
+        path: std::env::current_exe().expect("the demo's own path"),
+        args: vec!["--kafka-member".to_owned()],
+    };
+    let (members, batch, crash_rate, seed) = (o.consumers, o.batch, o.crash_rate, o.seed.wrapping_add(1));
+    let run = kafka::Run {
+        road,
+        program: &program,
+        members,
+        batch,
+        crash_rate,
+        seed,
+        bootstrap: &bootstrap,
+        postgres: &postgres,
+        stream,
+    };
+    let t = kafka::Traffic::default();
+    let started = Instant::now();
+    let names = ["delivered", "re-read", "rebalances", "dropped", "applied", "crashes"];
+    let counters = [&t.delivered, &t.reread, &t.rebalances, &tally.duplicates, &tally.applied, &tally.crashes];
+    let left = with_progress(
+        || progress_line(&names.into_iter().zip(counters).map(|(name, c)| (name, count(c), 5)).collect::<Vec<_>>()),
+        || run.run(&t, tally),
+    );
+    let kafka = KafkaFigures {
+        rebalances: count(&t.rebalances),
+        deaths: t.deaths.each_ref().map(count),
+        refused_commits: count(&t.refused_commits),
+        transactions: count(&t.transactions),
+        transaction_micros: count(&t.transaction_micros),
+        offset_commit_micros: count(&t.offset_commit_micros),
+    };
+    let (published, delivered, redelivered) = (count(&t.published), count(&t.delivered), count(&t.reread));
+    let seconds = started.elapsed().as_secs_f64();
+    Replayed { published, delivered, redelivered, seconds, left: left as u64, kafka: Some(kafka) }
+}
+
+fn count(counter: &AtomicU64) -> u64 {
+    counter.load(Ordering::Relaxed)
 }
 
 /// Runs `work` while a thread redraws the progress line every 200 ms, then draws it a last time.
