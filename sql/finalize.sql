@@ -35,16 +35,23 @@ SELECT i.inbox, c.marks, c.duplicates, c.renewals, c.purged, i.backlog, c.lookup
  CROSS JOIN dedup.worker_stats() AS w
  CROSS JOIN dedup.filter_stats() AS f;
 
--- The counts of delivery attempts (dedup.attempt()) of the inboxes the reader may read, as the workers last made
--- them durable (every dedup.attempts_flush_interval), whose window has not passed. A barrier, so that no function of
--- the reader's query sees the rows of other inboxes.
+-- The counts of delivery attempts (dedup.attempt()) of the inboxes the reader may read, whose window has not passed:
+-- those shared memory holds now, and the durable ones (written by the workers every dedup.attempts_flush_interval)
+-- of the other ids. A barrier, so that no function of the reader's query sees the rows of other inboxes.
 CREATE VIEW dedup.attempts WITH (security_barrier) AS
+WITH live AS MATERIALIZED (SELECT * FROM dedup.attempts_in_memory())
 SELECT a.inbox, a.id, a.attempts, a.first_attempt, a.last_attempt
-  FROM dedup.attempt_counts a
- WHERE a.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()
-   AND pg_catalog.has_table_privilege(
-         pg_catalog.to_regclass('dedup.' OPERATOR(pg_catalog.||) pg_catalog.quote_ident('inbox_' OPERATOR(pg_catalog.||) a.inbox)),
-         'SELECT');
+  FROM (SELECT l.* FROM live l WHERE l.attempts OPERATOR(pg_catalog.>) 0
+        UNION ALL
+        SELECT d.inbox, d.id, d.attempts, d.first_attempt, d.last_attempt, d.expires_at
+          FROM dedup.attempt_counts d
+         WHERE NOT EXISTS (SELECT FROM live l WHERE l.inbox OPERATOR(pg_catalog.=) d.inbox
+                                                AND l.id OPERATOR(pg_catalog.=) d.id)
+           AND pg_catalog.has_table_privilege(
+                 pg_catalog.to_regclass('dedup.' OPERATOR(pg_catalog.||)
+                                        pg_catalog.quote_ident('inbox_' OPERATOR(pg_catalog.||) d.inbox)),
+                 'SELECT')) a
+ WHERE a.expires_at OPERATOR(pg_catalog.>) pg_catalog.now();
 
 -- Any DDL that may change an inbox table's filter trigger (disable it, put it in origin mode, drop or re-create it)
 -- makes the filter stop trusting that inbox at once, inside the transaction that changed it; the background worker
@@ -67,6 +74,7 @@ ALTER EVENT TRIGGER dedup_watch_drop ENABLE ALWAYS;
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA dedup FROM PUBLIC;
 REVOKE ALL ON ALL TABLES IN SCHEMA dedup FROM PUBLIC;
 REVOKE ALL ON SCHEMA dedup FROM PUBLIC;
--- Except two helpers that reveal nothing and that anyone's statements call: dedup.inboxes reads is_distributed()
--- with its reader's rights, and claim()'s lookup, where it runs as SQL, calls xmin_is_mine().
-GRANT EXECUTE ON FUNCTION dedup.is_distributed(oid), dedup.xmin_is_mine(xid) TO PUBLIC;
+-- Except helpers that reveal nothing and that anyone's statements call: dedup.inboxes reads is_distributed()
+-- with its reader's rights, claim()'s lookup, where it runs as SQL, calls xmin_is_mine(), and dedup.attempts reads
+-- attempts_in_memory(), which shows each caller only the inboxes it may read.
+GRANT EXECUTE ON FUNCTION dedup.is_distributed(oid), dedup.xmin_is_mine(xid), dedup.attempts_in_memory() TO PUBLIC;

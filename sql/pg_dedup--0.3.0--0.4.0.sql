@@ -101,13 +101,36 @@ CREATE TABLE dedup.attempt_counts (
 CREATE INDEX ON dedup.attempt_counts (inbox, expires_at);
 SELECT pg_catalog.pg_extension_config_dump('dedup.attempt_counts', '');
 
+CREATE FUNCTION dedup.attempts_in_memory() RETURNS TABLE (
+	"inbox" TEXT,
+	"id" TEXT,
+	"attempts" INT,
+	"first_attempt" timestamp with time zone,
+	"last_attempt" timestamp with time zone,
+	"expires_at" timestamp with time zone
+)
+STRICT VOLATILE PARALLEL SAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'attempts_in_memory_wrapper';
+-- It shows each caller only the inboxes it may read: anyone's, like in a fresh install (finalize.sql, which revokes
+-- every function from PUBLIC first: the same privileges, in the same order).
+REVOKE ALL ON FUNCTION dedup.attempts_in_memory() FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION dedup.attempts_in_memory() TO PUBLIC;
+
 CREATE VIEW dedup.attempts WITH (security_barrier) AS
+WITH live AS MATERIALIZED (SELECT * FROM dedup.attempts_in_memory())
 SELECT a.inbox, a.id, a.attempts, a.first_attempt, a.last_attempt
-  FROM dedup.attempt_counts a
- WHERE a.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()
-   AND pg_catalog.has_table_privilege(
-         pg_catalog.to_regclass('dedup.' OPERATOR(pg_catalog.||) pg_catalog.quote_ident('inbox_' OPERATOR(pg_catalog.||) a.inbox)),
-         'SELECT');
+  FROM (SELECT l.* FROM live l WHERE l.attempts OPERATOR(pg_catalog.>) 0
+        UNION ALL
+        SELECT d.inbox, d.id, d.attempts, d.first_attempt, d.last_attempt, d.expires_at
+          FROM dedup.attempt_counts d
+         WHERE NOT EXISTS (SELECT FROM live l WHERE l.inbox OPERATOR(pg_catalog.=) d.inbox
+                                                AND l.id OPERATOR(pg_catalog.=) d.id)
+           AND pg_catalog.has_table_privilege(
+                 pg_catalog.to_regclass('dedup.' OPERATOR(pg_catalog.||)
+                                        pg_catalog.quote_ident('inbox_' OPERATOR(pg_catalog.||) d.inbox)),
+                 'SELECT')) a
+ WHERE a.expires_at OPERATOR(pg_catalog.>) pg_catalog.now();
 REVOKE ALL ON dedup.attempt_counts, dedup.attempts FROM PUBLIC;
 
 CREATE FUNCTION dedup.attempt(

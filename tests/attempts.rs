@@ -221,7 +221,7 @@ fn a_standby_refuses_attempts() {
 }
 
 #[test]
-fn a_full_store_refuses_an_attempt_instead_of_losing_a_count() {
+fn a_full_store_refuses_an_attempt_instead_of_losing_a_count_and_the_view_shows_live_counts() {
     // 16 slots of each size, and a worker that writes once an hour: the 17th id has nowhere to go.
     let cluster = preloaded("att_full", &["dedup.attempts_max = 16", "dedup.attempts_flush_interval = '1h'"]);
     let mut c = cluster.fresh_db("att_full");
@@ -231,5 +231,11 @@ fn a_full_store_refuses_an_attempt_instead_of_losing_a_count() {
     let err = c.query_one("SELECT dedup.attempt('one-too-many')", &[]);
     assert_dedup_error(err, "53400");
     assert_eq!(attempt(&mut c, "id-3"), 2, "the ids it holds count on");
+    // Nothing is durable yet (the worker writes once an hour), and the view shows the counts as they are now.
+    assert_eq!(c.query_one("SELECT count(*) FROM dedup.attempt_counts", &[]).unwrap().get::<_, i64>(0), 0);
+    let shown = "SELECT attempts FROM dedup.attempts WHERE inbox = 'default' AND id = 'id-3'";
+    assert_eq!(c.query_one(shown, &[]).unwrap().get::<_, i32>(0), 2, "the view shows the live count");
+    let listed = c.query_one("SELECT count(*) FROM dedup.attempts", &[]).unwrap().get::<_, i64>(0);
+    assert_eq!(listed, 16, "every id the store holds, once");
     cluster.destroy();
 }

@@ -164,7 +164,7 @@ fn run(cluster: &Cluster, admin: &mut pg_dedup_harness::postgres::Client, seed: 
     // A fresh ledger and inbox per run.
     admin
         .batch_execute(
-            "DROP TABLE IF EXISTS accounts;
+            "DROP TABLE IF EXISTS accounts, dead_letters;
              SELECT dedup.drop_inbox(name) FROM dedup.inboxes WHERE name = 'payments';",
         )
         .unwrap();

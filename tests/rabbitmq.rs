@@ -1,13 +1,16 @@
 //! The demo's broker mode (`make demo DEMO_ARGS=--rabbitmq`, `replay::amqp`) at a small size: 300 payment events,
 //! about 20% published twice, through a throwaway RabbitMQ node to consumers that die at the four crash points
 //! (each with its Postgres transaction open or just committed, and its deliveries unacknowledged), so that RabbitMQ
-//! redelivers what they held. Afterwards: the ledger is the exactly-once one, the inbox holds one mark per event,
+//! redelivers what they held. One more event is poison (the ledger refuses it): its consumers count its attempts
+//! with `dedup.attempt()` and park it in `dead_letters` after `MAX_ATTEMPTS`. Afterwards: the poison is parked
+//! once, after at least that many attempts, the ledger is the exactly-once one of the others, the inbox holds one
+//! mark per event,
 //! every published message was acknowledged and none is left in the queue, the counts add up, no consumer session
 //! is left in Postgres, and once the node is dropped none of its processes (the Erlang VM, its epmd) or files are.
 
 use pg_dedup_harness::rabbitmq::RabbitMq;
 use pg_dedup_harness::replay::amqp::{Run, Traffic};
-use pg_dedup_harness::replay::{self, Rng, Tally};
+use pg_dedup_harness::replay::{self, Rng, Tally, MAX_ATTEMPTS};
 use pg_dedup_tests::*;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -29,7 +32,9 @@ fn consumers_dying_on_a_real_broker_leave_an_exactly_once_ledger() {
     let seed = Rng::new().u64(..);
     let mut rng = Rng::with_seed(seed);
     let events = replay::events("broker", EVENTS, &mut rng);
-    let stream = replay::publish(&events, DUPLICATE_RATE, &mut rng);
+    let mut stream = replay::publish(&events, DUPLICATE_RATE, &mut rng);
+    let poison = replay::poison("broker");
+    stream.insert(rng.usize(..=stream.len()), poison.clone());
     let (traffic, tally) = (Traffic::default(), Tally::default());
     let postgres = format!("{} application_name={APP}", cluster.conn_string("broker", "postgres"));
     let url = node.url();
@@ -41,10 +46,25 @@ fn consumers_dying_on_a_real_broker_leave_an_exactly_once_ledger() {
     let (published, delivered, redelivered, acked) =
         (load(&traffic.published), load(&traffic.delivered), load(&traffic.redelivered), load(&traffic.acked));
     let (applied, duplicates, crashes) = (load(&tally.applied), load(&tally.duplicates), load(&tally.crashes));
+    let (failed, parked) = (load(&tally.failed), load(&tally.parked));
     let counts = format!(
         "seed {seed}: published {published}, delivered {delivered}, redelivered {redelivered}, acked {acked}, \
-         applied {applied}, duplicates {duplicates}, crashes {crashes}, left {left}"
+         applied {applied}, duplicates {duplicates}, crashes {crashes}, refused {failed}, parked {parked}, left {left}"
     );
+    // The poison: parked once, by the first delivery counted beyond MAX_ATTEMPTS (each of the earlier ones was
+    // refused by the ledger or died), and counted that far in dedup.attempts although every one rolled back.
+    let dead = replay::parked(&mut admin).unwrap();
+    assert_eq!(dead.len(), 1, "parked: {dead:?}; {counts}");
+    let (parked_id, parked_at) = &dead[0];
+    assert_eq!(*parked_id, poison.id, "{counts}");
+    assert!(*parked_at > MAX_ATTEMPTS, "parked at attempt {parked_at}; {counts}");
+    assert!(failed >= 1 && failed <= MAX_ATTEMPTS as u64, "{counts}");
+    assert_eq!(parked, 1, "{counts}");
+    let attempts: i32 = admin
+        .query_one("SELECT attempts FROM dedup.attempts WHERE inbox = 'payments' AND id = $1", &[&poison.id])
+        .unwrap()
+        .get(0);
+    assert!(attempts >= *parked_at, "dedup.attempts says {attempts} for the poison; {counts}");
     let ledger = replay::check_ledger(&mut admin, &events).unwrap();
     assert!(
         ledger.ok(),
@@ -53,17 +73,21 @@ fn consumers_dying_on_a_real_broker_leave_an_exactly_once_ledger() {
         ledger.expected_total,
         ledger.mismatched
     );
-    assert_eq!(count(&mut admin, "dedup.inbox_payments"), EVENTS as i64, "one mark per event; {counts}");
+    assert_eq!(
+        count(&mut admin, "dedup.inbox_payments"),
+        EVENTS as i64 + 1,
+        "one mark per event and the poison; {counts}"
+    );
     assert_eq!(applied, EVENTS as u64, "each event applied once; {counts}");
     assert_eq!(left, 0, "messages left in the queue; {counts}");
     assert_eq!(published, stream.len() as u64, "every message confirmed; {counts}");
     assert_eq!(acked, published, "every message acknowledged once; {counts}");
-    // Every delivery a consumer took was acknowledged, or its consumer died with it.
-    assert_eq!(delivered, acked + crashes, "{counts}");
+    // Every delivery a consumer took was acknowledged, rejected back into the queue, or its consumer died with it.
+    assert_eq!(delivered, acked + failed + crashes, "{counts}");
     assert!(crashes > 0, "the chaos switch killed no consumer; {counts}");
     // A dead consumer's delivery comes back flagged (with whatever else it held: the prefetch).
     assert!(redelivered >= crashes, "fewer redeliveries than crashes; {counts}");
-    assert!(duplicates >= published - EVENTS as u64, "a producer retry was applied twice; {counts}");
+    assert!(duplicates >= published - EVENTS as u64 - 1, "a producer retry was applied twice; {counts}");
     // The dead consumers' sessions leave as soon as their backends read the closed socket.
     eventually("the consumers' backends are gone", || {
         let sql = "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1";

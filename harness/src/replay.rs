@@ -1,6 +1,8 @@
 //! The at-least-once replay shared by `make demo` and the consumer chaos test (tests/chaos.rs): payment events, a
 //! producer that publishes some of them twice, the inbox-pattern consumer step (`dedup.mark()` + a balance update
-//! in one transaction), the points where a consumer can die, and the exactly-once check of the ledger.
+//! in one transaction), the points where a consumer can die, and the exactly-once check of the ledger. The demo's
+//! consumers also count delivery attempts (`dedup.attempt()`) and park a poison event, one the ledger refuses on
+//! every delivery, in a dead-letter table after [`MAX_ATTEMPTS`] ([`apply_or_park`]).
 //!
 //! Everything above [`Broker`] is independent of the broker; [`Broker`] is the in-memory one the demo uses by
 //! default, [`amqp`] runs the same replay through a real RabbitMQ (`demo --rabbitmq`) and [`kafka`] through a
@@ -101,19 +103,41 @@ pub fn publish(events: &[Event], duplicate_rate: f64, rng: &mut Rng) -> Vec<Even
     stream
 }
 
-/// Creates the ledger (`accounts`, every balance 0) and the inbox `payments` in the connected database.
+/// Failed deliveries of one event after which [`apply_or_park`] gives up on it and parks it.
+pub const MAX_ATTEMPTS: i32 = 5;
+
+/// A poison event: a payment the ledger refuses on every delivery, since it would take account 1 below zero
+/// (the `CHECK` of `accounts`). Its consumer's transaction fails each time, and the broker redelivers it.
+pub fn poison(prefix: &str) -> Event {
+    Event { id: format!("{prefix}-poison"), account: 1, amount: -1_000_000_000 }
+}
+
+/// Creates the ledger (`accounts`, every balance 0 and never below), the table where consumers park what they
+/// give up on (`dead_letters`) and the inbox `payments` in the connected database.
 pub fn prepare(db: &mut Client) -> Result<(), postgres::Error> {
     db.batch_execute(&format!(
-        "CREATE TABLE accounts (id int PRIMARY KEY, balance bigint NOT NULL DEFAULT 0);
+        "CREATE TABLE accounts (id int PRIMARY KEY, balance bigint NOT NULL DEFAULT 0 CHECK (balance >= 0));
          INSERT INTO accounts (id) SELECT generate_series(1, {ACCOUNTS});
+         CREATE TABLE dead_letters (id text PRIMARY KEY, account int NOT NULL, amount bigint NOT NULL,
+                                    attempts int NOT NULL, parked_at timestamptz NOT NULL DEFAULT now());
          SELECT dedup.create_inbox('payments', '1 day');"
     ))
+}
+
+/// The events parked in `dead_letters`, with the attempt that parked each, by id.
+pub fn parked(db: &mut Client) -> Result<Vec<(String, i32)>, postgres::Error> {
+    let rows = db.query("SELECT id, attempts FROM dead_letters ORDER BY id", &[])?;
+    Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
 }
 
 /// The consumer's statements, shared by [`apply`] and its async twin in [`amqp`].
 pub mod sql {
     /// Claims the event id in the inbox `payments`: true the first time it is seen.
     pub const MARK: &str = "SELECT dedup.mark($1, NULL, 'payments')";
+    /// Counts a delivery attempt of the event id: 1 the first time, and kept when the transaction rolls back.
+    pub const ATTEMPT: &str = "SELECT dedup.attempt($1, 'payments')";
+    /// Parks an event ($1 id, $2 account, $3 amount, $4 the attempt that gave up) instead of applying it.
+    pub const PARK: &str = "INSERT INTO dead_letters (id, account, amount, attempts) VALUES ($1, $2, $3, $4)";
     /// Applies a payment ($1 account, $2 amount): run only when the mark was new.
     pub const CREDIT: &str = "UPDATE accounts SET balance = balance + $2 WHERE id = $1";
     /// Claims a batch's ids ($1 text[]): returns those seen for the first time, each once.
@@ -129,6 +153,41 @@ pub mod sql {
          FROM (SELECT account, sum(amount)::bigint AS amount FROM unnest($1::int[], $2::bigint[]) AS t(account, amount) \
                GROUP BY account) d \
          WHERE a.id = d.account";
+}
+
+/// What [`apply_or_park`] did with a delivery it got to the end of.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// New, and applied: committed.
+    Applied,
+    /// Marked before: dropped, committed.
+    Duplicate,
+    /// New, but it had failed [`MAX_ATTEMPTS`] times: marked and parked in `dead_letters` instead, committed.
+    Parked,
+    /// New, and the ledger refused it: rolled back, for the broker to deliver again.
+    Failed,
+}
+
+impl Outcome {
+    /// What to do with a delivery once its attempt number and its mark are known: the one decision of
+    /// [`apply_or_park`] and its async twin in [`amqp`]. The mark is taken first, so that an event already
+    /// processed is never parked, and a parked one is parked once.
+    pub fn decide(attempt: i32, new: bool) -> Outcome {
+        match (new, attempt > MAX_ATTEMPTS) {
+            (false, _) => Outcome::Duplicate,
+            (true, true) => Outcome::Parked,
+            (true, false) => Outcome::Applied,
+        }
+    }
+
+    /// The outcome of the business write that failed with `error`: [`Outcome::Failed`] when the ledger refused
+    /// it (a poison event); any other error is a bug of the replay.
+    pub fn refused(error: &postgres::Error) -> Outcome {
+        match error.code() {
+            Some(&postgres::error::SqlState::CHECK_VIOLATION) => Outcome::Failed,
+            _ => panic!("the business write failed: {error}"),
+        }
+    }
 }
 
 /// What tells a consumer that a delivery is new.
@@ -167,12 +226,39 @@ pub fn apply_as(
             };
             row.expect("claim the delivery").get(0)
         },
-        |db, &new| {
+        |db, new| {
             if new {
                 db.execute(sql::CREDIT, &[&event.account, &event.amount]).expect("update balance");
             }
+            Ok(new)
         },
     )
+    .map(|done| done.expect("errors panic above"))
+}
+
+/// [`apply`] as a consumer that gives up on poison: BEGIN; `dedup.attempt()` (counted even if this transaction
+/// rolls back); `dedup.mark()`; then, for a new event, the balance update, or after [`MAX_ATTEMPTS`] failed
+/// deliveries a row in `dead_letters` instead; COMMIT. A business write the ledger refuses rolls back
+/// ([`Outcome::Failed`]); the crash points are those of [`apply`].
+pub fn apply_or_park(db: &mut Client, event: &Event, dies_at: impl FnMut(Crash) -> bool) -> Result<Outcome, Crash> {
+    let done = transaction(
+        db,
+        dies_at,
+        |db| {
+            let attempt: i32 = db.query_one(sql::ATTEMPT, &[&event.id]).expect("count the attempt").get(0);
+            let new: bool = db.query_one(sql::MARK, &[&event.id]).expect("mark").get(0);
+            (attempt, Outcome::decide(attempt, new))
+        },
+        |db, (attempt, outcome)| {
+            match outcome {
+                Outcome::Applied => db.execute(sql::CREDIT, &[&event.account, &event.amount])?,
+                Outcome::Parked => db.execute(sql::PARK, &[&event.id, &event.account, &event.amount, &attempt])?,
+                _ => 0,
+            };
+            Ok(outcome)
+        },
+    )?;
+    Ok(done.unwrap_or_else(|error| Outcome::refused(&error)))
 }
 
 /// [`apply`] for a batch of deliveries in one transaction: every claim first (one `mark_many()` for the ids, the
@@ -202,13 +288,15 @@ pub fn apply_batch(
         },
         |db, new| {
             let (accounts, amounts): (Vec<i32>, Vec<i64>) =
-                batch.iter().zip(new).filter(|(_, &n)| n).map(|((e, _), _)| (e.account, e.amount)).unzip();
+                batch.iter().zip(&new).filter(|(_, &n)| n).map(|((e, _), _)| (e.account, e.amount)).unzip();
             if !accounts.is_empty() {
                 db.execute(sql::LOCK_ACCOUNTS, &[&accounts]).expect("lock the accounts");
                 db.execute(sql::CREDIT_MANY, &[&accounts, &amounts]).expect("update balances");
             }
+            Ok(new)
         },
     )
+    .map(|done| done.expect("errors panic above"))
 }
 
 /// Claims the batch's positions, key by key in sorted order (so that two consumers claiming the same keys cannot
@@ -248,22 +336,27 @@ fn claim_positions(db: &mut Client, batch: &[(&Event, Claim)], new: &mut [bool])
     }
 }
 
-/// BEGIN; `claim`; `credit` with what it claimed; COMMIT; with the crash points of [`apply`] between.
-fn transaction<T>(
+/// BEGIN; `claim`; `credit` with what it claimed; COMMIT; with the crash points of [`apply`] between. When
+/// `credit` fails, ROLLBACK instead, and its error is the result.
+fn transaction<T, R>(
     db: &mut Client,
     mut dies_at: impl FnMut(Crash) -> bool,
     claim: impl FnOnce(&mut Client) -> T,
-    credit: impl FnOnce(&mut Client, &T),
-) -> Result<T, Crash> {
+    credit: impl FnOnce(&mut Client, T) -> Result<R, postgres::Error>,
+) -> Result<Result<R, postgres::Error>, Crash> {
     let mut point = |p| if dies_at(p) { Err(p) } else { Ok(()) };
     point(Crash::BeforeMark)?;
     db.batch_execute("BEGIN").expect("BEGIN");
-    let new = claim(db);
+    let claimed = claim(db);
     point(Crash::AfterMark)?;
-    credit(db, &new);
+    let done = credit(db, claimed);
+    if done.is_err() {
+        db.batch_execute("ROLLBACK").expect("ROLLBACK");
+        return Ok(done);
+    }
     point(Crash::BeforeCommit)?;
     db.batch_execute("COMMIT").expect("COMMIT");
-    Ok(new)
+    Ok(done)
 }
 
 /// A consumer process dies at `point`: it prints `crash <point>` (so whoever runs it knows where) and kills
@@ -352,10 +445,26 @@ impl Broker {
     }
 }
 
-/// What consumers saw: events applied, duplicates dropped, crashes.
+/// What consumers saw: events applied, duplicates dropped, crashes; and with [`apply_or_park`] deliveries the
+/// ledger refused and events parked.
 #[derive(Default)]
 pub struct Tally {
     pub duplicates: AtomicU64,
     pub applied: AtomicU64,
     pub crashes: AtomicU64,
+    pub failed: AtomicU64,
+    pub parked: AtomicU64,
+}
+
+impl Tally {
+    /// Counts a delivery [`apply_or_park`] got to the end of.
+    pub fn count(&self, outcome: Outcome) {
+        let counter = match outcome {
+            Outcome::Applied => &self.applied,
+            Outcome::Duplicate => &self.duplicates,
+            Outcome::Parked => &self.parked,
+            Outcome::Failed => &self.failed,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
 }

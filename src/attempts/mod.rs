@@ -159,6 +159,43 @@ fn attempt(id: Option<&str>, inbox: default!(Option<&str>, "'default'")) -> i32 
     count as i32
 }
 
+/// The counts shared memory holds now for this database, of the inboxes whose table the caller may read (so the
+/// function may be anyone's: it shows nothing a caller could not read anyway), with when each lapses. The view
+/// `dedup.attempts` shows these, and the durable rows of ids shared memory holds no count for.
+#[pg_extern(volatile, parallel_safe)]
+fn attempts_in_memory() -> TableIterator<
+    'static,
+    (
+        name!(inbox, String),
+        name!(id, String),
+        name!(attempts, i32),
+        name!(first_attempt, TimestampWithTimeZone),
+        name!(last_attempt, TimestampWithTimeZone),
+        name!(expires_at, TimestampWithTimeZone),
+    ),
+> {
+    let Some(store) = shmem::region().map(|r| r.attempts()) else { return TableIterator::new(Vec::new()) };
+    // SAFETY: reads a backend global, set once connected.
+    let counts = store.counts(unsafe { pg_sys::MyDatabaseId }, false);
+    let at = |t: i64| TimestampWithTimeZone::try_from(t).expect("a timestamp the store kept");
+    let mut rows = Vec::with_capacity(counts.len());
+    for c in counts {
+        let relid = shmem::relation_of(c.ns);
+        // A count of an inbox dropped since waits for the worker to sweep it.
+        let Some(inbox) = catalog::inbox_name_of(relid) else { continue };
+        // SAFETY: an ACL check of an existing relation for the current user.
+        let readable = unsafe {
+            pg_sys::pg_class_aclcheck(relid, pg_sys::GetUserId(), pg_sys::ACL_SELECT as pg_sys::AclMode)
+                == pg_sys::AclResult::ACLCHECK_OK
+        };
+        if !readable {
+            continue;
+        }
+        rows.push((inbox, c.id, c.count as i32, at(c.first), at(c.last), at(c.expires)));
+    }
+    TableIterator::new(rows)
+}
+
 thread_local! {
     /// `forget()`s of this transaction whose counts go at its commit: inbox key, id, subtransaction level.
     static FORGOTTEN: RefCell<Vec<(u64, String, i32)>> = const { RefCell::new(Vec::new()) };

@@ -7,6 +7,10 @@
 //! `dedup.mark()` + a balance update in one transaction and acknowledges only after COMMIT. At the end the ledger
 //! must equal the exactly-once total, whatever was delivered.
 //!
+//! One event is poison: the ledger refuses it on every delivery, so its transaction rolls back every time. The
+//! consumers count each delivery with `dedup.attempt()`, which the rollback does not undo, and after
+//! `replay::MAX_ATTEMPTS` failed attempts park it in `dead_letters` inside their transaction (not with --kafka).
+//!
 //! With --rabbitmq the same stream goes through a real broker instead (replay::amqp): a throwaway RabbitMQ node on
 //! loopback, a durable queue, persistent messages with publisher confirms, and consumers with their own AMQP and
 //! Postgres connections that die the same way. RabbitMQ redelivers what they did not acknowledge.
@@ -24,7 +28,7 @@ use pg_dedup_harness::kafka::Tansu;
 use pg_dedup_harness::rabbitmq::RabbitMq;
 use pg_dedup_harness::replay::amqp::{self, Traffic};
 use pg_dedup_harness::replay::kafka::{self, Road};
-use pg_dedup_harness::replay::{self, Broker, Crash, Event, Rng, Tally, ACCOUNTS};
+use pg_dedup_harness::replay::{self, Broker, Crash, Event, Outcome, Rng, Tally, ACCOUNTS};
 use pg_dedup_harness::Cluster;
 use std::io::Write;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -128,12 +132,14 @@ fn consumer(cluster: &Cluster, broker: &Broker, tally: &Tally, crash_rate: f64, 
     let mut db = cluster.connect("demo");
     while let Some(event) = broker.next() {
         let crash = Crash::pick(&mut rng, crash_rate);
-        let outcome = replay::apply(&mut db, &event, |point| crash == Some(point));
-        if let Ok(new) = outcome {
-            let counter = if new { &tally.applied } else { &tally.duplicates };
-            counter.fetch_add(1, Ordering::Relaxed);
+        let outcome = replay::apply_or_park(&mut db, &event, |point| crash == Some(point));
+        if let Ok(outcome) = outcome {
+            tally.count(outcome);
         }
-        if outcome.is_ok() && crash != Some(Crash::AfterCommitBeforeAck) {
+        if outcome == Ok(Outcome::Failed) {
+            // Rolled back: the consumer lives on, and the broker delivers the event again.
+            broker.nack(event);
+        } else if outcome.is_ok() && crash != Some(Crash::AfterCommitBeforeAck) {
             broker.ack();
         } else {
             // The process "dies": dropping the connection mid-transaction makes the server roll it back.
@@ -237,7 +243,12 @@ fn main() {
     // The producer: every event once, some of them twice (a retry after a lost publisher confirm).
     let mut rng = Rng::with_seed(o.seed);
     let events = replay::events("payment", o.events, &mut rng);
-    let stream = replay::publish(&events, o.duplicate_rate, &mut rng);
+    let mut stream = replay::publish(&events, o.duplicate_rate, &mut rng);
+    // The poison event, somewhere in the stream (the Kafka members apply without counting attempts: docs/kafka.md).
+    let poison = (!matches!(o.through, Through::Kafka(_))).then(|| replay::poison("payment"));
+    if let Some(poison) = &poison {
+        stream.insert(rng.usize(..=stream.len()), poison.clone());
+    }
     let tally = Tally::default();
     let replayed = match (&node, &tansu) {
         (Some(node), _) => through_rabbitmq(&o, &cluster, node, &stream, &tally),
@@ -246,7 +257,11 @@ fn main() {
     };
     println!();
 
-    let ledger = replay::check_ledger(&mut admin, &events).expect("read the ledger");
+    // Parked events were given up on, never applied: the exactly-once ledger is that of the others.
+    let parked = replay::parked(&mut admin).expect("read dead_letters");
+    let good_parked = parked.iter().filter(|(id, _)| poison.as_ref().is_none_or(|p| p.id != *id)).count();
+    let kept: Vec<Event> = events.iter().filter(|e| parked.iter().all(|(id, _)| *id != e.id)).cloned().collect();
+    let ledger = replay::check_ledger(&mut admin, &kept).expect("read the ledger");
     let marks: i64 = admin.query_one("SELECT count(*) FROM dedup.inbox_payments", &[]).unwrap().get(0);
     let positions: i64 = admin.query_one("SELECT count(*) FROM dedup.positions", &[]).unwrap().get(0);
     let filter = admin
@@ -257,7 +272,7 @@ fn main() {
     let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
     let Replayed { published, delivered, redelivered, seconds, left, kafka: figures } = replayed;
     let crashes = load(&tally.crashes);
-    let retries = published - o.events as u64;
+    let retries = published - o.events as u64 - poison.iter().count() as u64;
     let row = |name: &str, value: u64, note: &str| {
         let note = if note.is_empty() { String::new() } else { format!("  ({note})") };
         println!("  {name:<22}{value:>10}{note}");
@@ -268,7 +283,8 @@ fn main() {
         Through::RabbitMq => ", each confirmed",
         Through::Kafka(_) => ", each acknowledged by the broker",
     };
-    row("published", published, &format!("{} events + {retries} producer retries{confirmed}", o.events));
+    let poisoned = if poison.is_some() { " + 1 poison event" } else { "" };
+    row("published", published, &format!("{} events{poisoned} + {retries} producer retries{confirmed}", o.events));
     row("delivered", delivered, "");
     match (&figures, o.through) {
         (Some(k), Through::Kafka(road)) => {
@@ -297,6 +313,8 @@ fn main() {
                 }
                 _ => format!("after {crashes} consumer crashes"),
             };
+            let failed = load(&tally.failed);
+            let note = if failed > 0 { format!("{note}, and {failed} deliveries the ledger refused") } else { note };
             row("redelivered", redelivered, &note);
         }
     }
@@ -307,6 +325,16 @@ fn main() {
     } else {
         row("duplicates dropped", load(&tally.duplicates), "");
         row("applied", load(&tally.applied), &format!("{marks} marks in dedup.inbox_payments"));
+    }
+    if poison.is_some() {
+        // The attempts before the one that parked it: MAX_ATTEMPTS, unless a consumer died on the way.
+        let tries: Vec<String> = parked.iter().map(|(_, attempt)| (attempt - 1).to_string()).collect();
+        println!(
+            "  {:<22}{:>10} parked after {} attempts  (in dead_letters; dedup.attempt() counts across rollbacks)",
+            "poison",
+            parked.len(),
+            if tries.is_empty() { "?".to_owned() } else { tries.join("/") }
+        );
     }
     println!("  {:<22}{:>10}  in {seconds:.1}s ({:.0} deliveries/s)", "", "", delivered as f64 / seconds);
     if let Some(k) = &figures {
@@ -341,17 +369,21 @@ fn main() {
         Through::Memory => {}
     }
     println!();
-    let ok = ledger.ok() && load(&tally.applied) == o.events as u64 && left == 0;
+    // Every event applied once but those parked, and the poison parked (a good event is parked only if its
+    // consumers died MAX_ATTEMPTS times on it: possible at high crash rates, and then not applied, as it should).
+    let poison_parked = poison.as_ref().is_none_or(|p| parked.iter().any(|(id, _)| *id == p.id));
+    let ok = ledger.ok() && load(&tally.applied) == (o.events - good_parked) as u64 && left == 0 && poison_parked;
     if ok {
         println!("  OK: ledger total {} equals the exactly-once total; all {ACCOUNTS} balances match.", ledger.total);
     } else {
         println!(
-            "  FAILED: ledger total {}, exactly-once total {}, {} balances differ, {} events applied of {}, {} left",
+            "  FAILED: ledger total {}, exactly-once total {}, {} balances differ, {} events applied of {}, {} left, \
+             poison parked: {poison_parked}",
             ledger.total,
             ledger.expected_total,
             ledger.mismatched.len(),
             load(&tally.applied),
-            o.events,
+            o.events - good_parked,
             left
         );
     }
@@ -382,6 +414,7 @@ fn in_memory(o: &Options, cluster: &Cluster, stream: Vec<Event>, tally: &Tally) 
             ("duplicates dropped", load(&tally.duplicates), 5),
             ("applied", load(&tally.applied), 6),
             ("crashes", load(&tally.crashes), 4),
+            ("parked", load(&tally.parked), 1),
             ("queued", queued, 6),
         ])
     };
@@ -424,6 +457,7 @@ fn through_rabbitmq(o: &Options, cluster: &Cluster, node: &RabbitMq, stream: &[E
             ("duplicates dropped", load(&tally.duplicates), 5),
             ("applied", load(&tally.applied), 6),
             ("crashes", load(&tally.crashes), 4),
+            ("parked", load(&tally.parked), 1),
         ])
     };
     let left = with_progress(line, || run.run(&traffic, tally));

@@ -1,17 +1,18 @@
 //! The replay through a real broker (`make demo DEMO_ARGS=--rabbitmq`, tests/rabbitmq.rs): the producer publishes
 //! the stream to a durable queue as persistent messages and waits for the broker's publisher confirms; consumers
 //! take deliveries with a small prefetch, apply each the inbox way over tokio-postgres (the statements of
-//! [`super::apply`]) and acknowledge only after COMMIT.
+//! [`super::apply_or_park`]: a poison event is parked after [`super::MAX_ATTEMPTS`]) and acknowledge only after
+//! COMMIT; a delivery the ledger refused is rejected back into the queue.
 //!
 //! Each consumer lives like a process: its own AMQP connection and Postgres connection. When it dies at a crash
 //! point its Postgres socket closes mid-transaction (the server rolls the transaction back) and its AMQP connection
 //! goes away without acknowledging: RabbitMQ puts every delivery it had not acknowledged back in the queue, flagged
 //! `redelivered`, and a new consumer takes its place.
 
-use super::{sql, Crash, Event, Rng, Tally};
+use super::{sql, Crash, Event, Outcome, Rng, Tally};
 use futures_util::StreamExt;
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions,
+    BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions,
     QueueDeclareOptions,
 };
 use lapin::types::FieldTable;
@@ -106,12 +107,15 @@ impl Run<'_> {
                 let body = std::str::from_utf8(&delivery.data).ok();
                 let (event, _) = body.and_then(Event::from_line).expect("a payment event");
                 let crash = Crash::pick(&mut rng, self.crash_rate);
-                let outcome = apply(&db, &event, crash).await;
-                if let Ok(new) = outcome {
-                    let counter = if new { &tally.applied } else { &tally.duplicates };
-                    counter.fetch_add(1, Ordering::Relaxed);
+                let outcome = apply_or_park(&db, &event, crash).await;
+                if let Ok(outcome) = outcome {
+                    tally.count(outcome);
                 }
-                if outcome.is_ok() && crash != Some(Crash::AfterCommitBeforeAck) {
+                if outcome == Ok(Outcome::Failed) {
+                    // Rolled back: back into the queue, flagged `redelivered`, for another try.
+                    let requeue = BasicNackOptions { requeue: true, ..Default::default() };
+                    delivery.nack(requeue).await.expect("basic.nack");
+                } else if outcome.is_ok() && crash != Some(Crash::AfterCommitBeforeAck) {
                     delivery.ack(BasicAckOptions::default()).await.expect("basic.ack");
                     if traffic.acked.fetch_add(1, Ordering::Relaxed) + 1 == self.stream.len() as u64 {
                         done.send_replace(true);
@@ -131,20 +135,28 @@ impl Run<'_> {
     }
 }
 
-/// The async twin of [`super::apply`]: the same statements, with the same crash points. A crash returns with the
-/// transaction open, for the caller to abandon with its connection.
-async fn apply(db: &tokio_postgres::Client, event: &Event, crash: Option<Crash>) -> Result<bool, Crash> {
+/// The async twin of [`super::apply_or_park`]: the same statements, decision and crash points. A crash returns
+/// with the transaction open, for the caller to abandon with its connection.
+async fn apply_or_park(db: &tokio_postgres::Client, event: &Event, crash: Option<Crash>) -> Result<Outcome, Crash> {
     let point = |p| if crash == Some(p) { Err(p) } else { Ok(()) };
     point(Crash::BeforeMark)?;
     db.batch_execute("BEGIN").await.expect("BEGIN");
+    let attempt: i32 = db.query_one(sql::ATTEMPT, &[&event.id]).await.expect("count the attempt").get(0);
     let new: bool = db.query_one(sql::MARK, &[&event.id]).await.expect("mark").get(0);
+    let outcome = Outcome::decide(attempt, new);
     point(Crash::AfterMark)?;
-    if new {
-        db.execute(sql::CREDIT, &[&event.account, &event.amount]).await.expect("update balance");
+    let written = match outcome {
+        Outcome::Applied => db.execute(sql::CREDIT, &[&event.account, &event.amount]).await,
+        Outcome::Parked => db.execute(sql::PARK, &[&event.id, &event.account, &event.amount, &attempt]).await,
+        _ => Ok(0),
+    };
+    if let Err(error) = written {
+        db.batch_execute("ROLLBACK").await.expect("ROLLBACK");
+        return Ok(Outcome::refused(&error));
     }
     point(Crash::BeforeCommit)?;
     db.batch_execute("COMMIT").await.expect("COMMIT");
-    Ok(new)
+    Ok(outcome)
 }
 
 /// The producer: each message persistent, with the event id as its message id, and counted as published once
