@@ -239,3 +239,27 @@ fn a_full_store_refuses_an_attempt_instead_of_losing_a_count_and_the_view_shows_
     assert_eq!(listed, 16, "every id the store holds, once");
     cluster.destroy();
 }
+
+#[test]
+fn counts_go_on_from_the_table_when_their_slots_serve_other_ids() {
+    // 16 short slots, written every 20 ms: 300 ids go through them many times over, so slots are taken from
+    // clean counts, index cells are freed and the index is built again, again and again.
+    let cluster = preloaded("att_evict", &["dedup.attempts_max = 16", "dedup.attempts_flush_interval = '20ms'"]);
+    let mut c = cluster.fresh_db("att_evict");
+    wait_for_worker(&mut c);
+    // A full store refuses (53400) until the worker has written: wait and try again, as a consumer would.
+    let patient = |c: &mut Client, id: &str| loop {
+        match c.query_one("SELECT dedup.attempt($1)", &[&id]) {
+            Ok(row) => return row.get::<_, i32>(0),
+            Err(e) if sqlstate(&e) == "53400" => std::thread::sleep(Duration::from_millis(5)),
+            Err(e) => panic!("attempt({id}): {e}"),
+        }
+    };
+    for round in 1..=3 {
+        for i in 0..300 {
+            let id = format!("evicted-{i}");
+            assert_eq!(patient(&mut c, &id), round, "{id} in round {round}");
+        }
+    }
+    cluster.destroy();
+}

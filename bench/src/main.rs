@@ -5,9 +5,10 @@
 //! table, for GitHub) and .svg (the ratios and the growth curve).
 //!
 //! BENCH_QUICK=1 runs fewer rounds on smaller inputs (about four minutes); BENCH_ONLY=clients,growth runs only the
-//! sections named (filter, expiry, clients, idempotency, ingest, instructions, citus, restart, growth) and writes no
-//! results files; BENCH_VERBOSE=1 prints every client-side run.
+//! sections named (filter, expiry, clients, attempts, idempotency, ingest, instructions, citus, restart, growth)
+//! and writes no results files; BENCH_VERBOSE=1 prints every client-side run.
 
+mod attempts;
 mod chart;
 mod citus;
 mod clients;
@@ -244,6 +245,9 @@ fn main() {
         // steady-state purge's clients about 4 million, deleted between rounds but not from the filter). 130 MB.
         "dedup.bloom_capacity = 50000000",
         "shared_buffers = '512MB'",
+        // attempt() of new ids at pgbench speed: up to ~50k ids per flush interval (1 s) wait in shared memory for
+        // the worker, so the store needs that many slots and more (docs/poison-messages.md, "Sizing"). 260 MB.
+        "dedup.attempts_max = 1000000",
         "synchronous_commit = off",
         // The harness turns fsync off for speed; here synchronous_commit = on runs must really wait for the disk.
         "fsync = on",
@@ -264,6 +268,7 @@ fn main() {
     section("filter", &mut |c| filter::scenarios(c, &scale));
     section("expiry", &mut |c| expiry::scenarios(c, &pgbench, &scale));
     section("clients", &mut |c| clients::scenarios(c, &pgbench, cluster.socket_dir(), &scale));
+    section("attempts", &mut |c| attempts::scenarios(c, &pgbench, &scale));
     section("idempotency", &mut |c| idempotency::scenarios(c, &pgbench, &scale));
     section("ingest", &mut |c| ingest::scenarios(c, &scale));
     section("instructions", &mut |_| instructions::scenarios(&scale));

@@ -1,7 +1,10 @@
 //! The counts of delivery attempts in shared memory, before and after the worker makes them durable: a fixed number
 //! of slots (`dedup.attempts_max` for ids of at most `SHORT_ID` bytes, a 64th of that, at least 16, for longer ones),
 //! found through an open-addressing index, all behind one spin lock that is held only for a probe and a few stores
-//! (no I/O and no call into PostgreSQL while it is held).
+//! (no I/O and no call into PostgreSQL while it is held). The index's cells carry part of their slot's hash, so a
+//! probe reads only the slot that matches. The worker's passes over every slot (copying the dirty counts,
+//! sweeping lapsed ones) take the lock for `PASS_CHUNK` slots at a time, so attempts wait for a chunk, never for a
+//! whole pass; only building the index again (when three quarters of its cells are taken) holds it longer.
 //!
 //! A slot is *dirty* while its count differs from what the worker last wrote (`flushed`); only a clean slot may be
 //! taken for another id, so no count waits for the worker in a slot that could be lost to someone else. Every
@@ -17,9 +20,22 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 pub const SHORT_ID: usize = 128;
 const LONG_ID: usize = crate::input::MAX_ID_BYTES;
 /// An index cell that no slot ever used.
-const EMPTY: u32 = 0;
+const EMPTY: u64 = 0;
 /// An index cell whose slot was freed: a probe goes on past it, an insert may take it.
-const FREED: u32 = u32::MAX;
+const FREED: u64 = u64::MAX;
+/// Slots the worker's passes look at per taking of the lock.
+const PASS_CHUNK: usize = 1024;
+
+/// The index cell of slot `n` whose id hashes to `hash`: the slot's number plus one in the low half (never 0, and
+/// never all ones, since there are fewer than 2^32 - 1 slots), the hash's high half above it.
+fn cell_of(n: usize, hash: u64) -> u64 {
+    (hash & !0xffff_ffff) | (n as u64 + 1)
+}
+
+/// The slot a used index cell points to.
+fn slot_of(cell: u64) -> usize {
+    (cell & 0xffff_ffff) as usize - 1
+}
 
 /// What a slot holds, beside its id's bytes.
 #[repr(C)]
@@ -97,7 +113,7 @@ fn shape(max: usize) -> (usize, usize, usize) {
 pub fn size(max: usize) -> usize {
     let (short, long, index_len) = shape(max);
     std::mem::size_of::<StoreHeader>().next_multiple_of(8)
-        + (index_len * 4).next_multiple_of(8)
+        + index_len * 8
         + short * stride(SHORT_ID)
         + long * stride(LONG_ID)
 }
@@ -155,11 +171,11 @@ impl Store {
     // The lock (held, as the `Locked` passed in proves) makes the access exclusive; each caller keeps the
     // reference only while it works on that part of the store, never two of the same part at once.
     #[allow(clippy::mut_from_ref)]
-    fn index(&self, _: &Locked) -> &mut [u32] {
+    fn index(&self, _: &Locked) -> &mut [u64] {
         let h = self.header();
-        // SAFETY: the index follows the header; the lock is held, so no one else reads or writes it.
+        // SAFETY: the index follows the header, 8-aligned; the lock is held, so no one else reads or writes it.
         unsafe {
-            let at = self.base.add(std::mem::size_of::<StoreHeader>().next_multiple_of(8)) as *mut u32;
+            let at = self.base.add(std::mem::size_of::<StoreHeader>().next_multiple_of(8)) as *mut u64;
             std::slice::from_raw_parts_mut(at, h.index_len as usize)
         }
     }
@@ -176,8 +192,7 @@ impl Store {
         let h = self.header();
         let short = h.short as usize;
         let (offset, capacity) = {
-            let start =
-                std::mem::size_of::<StoreHeader>().next_multiple_of(8) + (h.index_len as usize * 4).next_multiple_of(8);
+            let start = std::mem::size_of::<StoreHeader>().next_multiple_of(8) + h.index_len as usize * 8;
             if n < short {
                 (start + n * stride(SHORT_ID), SHORT_ID)
             } else {
@@ -202,12 +217,15 @@ impl Store {
         let len = self.header().index_len as usize;
         let index = self.index(locked);
         let start = hash as usize & (len - 1);
+        let tag = hash & !0xffff_ffff;
         for probe in 0..len {
             let cell = (start + probe) & (len - 1);
             match index[cell] {
                 EMPTY => return None,
                 FREED => {}
-                n if self.matches(locked, n as usize - 1, ns, hash, id) => return Some((cell, n as usize - 1)),
+                c if c & !0xffff_ffff == tag && self.matches(locked, slot_of(c), ns, hash, id) => {
+                    return Some((cell, slot_of(c)))
+                }
                 _ => {}
             }
         }
@@ -298,7 +316,7 @@ impl Store {
                 if index[cell] == EMPTY {
                     self.header_mut(locked).filled += 1;
                 }
-                index[cell] = n as u32 + 1;
+                index[cell] = cell_of(n, hash);
                 return;
             }
         }
@@ -325,7 +343,7 @@ impl Store {
                 let index = self.index(locked);
                 let start = hash as usize & (len - 1);
                 let cell = (0..len).map(|p| (start + p) & (len - 1)).find(|c| index[*c] == EMPTY).expect("room");
-                index[cell] = n as u32 + 1;
+                index[cell] = cell_of(n, hash);
                 self.header_mut(locked).filled += 1;
             }
         }
@@ -355,23 +373,36 @@ impl Store {
     /// The counts of database `db` (its inboxes' keys are `ns`es of it, `shmem::database_of`): all of them, or only
     /// the dirty ones.
     pub fn counts(&self, db: pgrx::pg_sys::Oid, dirty_only: bool) -> Vec<Count> {
-        let locked = self.lock();
-        (0..self.slots())
-            .filter_map(|n| {
-                let (head, bytes) = self.slot(&locked, n);
-                let wanted = head.used
-                    && crate::shmem::database_of(head.ns) == db
-                    && (!dirty_only || head.count != head.flushed);
-                wanted.then(|| Count {
+        let mut counts = Vec::new();
+        self.pass(|locked, n| {
+            let (head, bytes) = self.slot(locked, n);
+            let wanted =
+                head.used && crate::shmem::database_of(head.ns) == db && (!dirty_only || head.count != head.flushed);
+            if wanted {
+                counts.push(Count {
                     ns: head.ns,
                     id: String::from_utf8_lossy(&bytes[..head.id_len as usize]).into_owned(),
                     count: head.count,
                     first: head.first,
                     last: head.last,
                     expires: head.expires,
-                })
-            })
-            .collect()
+                });
+            }
+        });
+        counts
+    }
+
+    /// Calls `visit` for every slot, holding the lock for `PASS_CHUNK` slots at a time. A slot may change between
+    /// two chunks; what `visit` takes from one is as of its chunk, which the worker's uses allow (`written` and
+    /// `sweep` look at each slot again under the lock).
+    fn pass(&self, mut visit: impl FnMut(&Locked, usize)) {
+        let slots = self.slots();
+        for chunk in (0..slots).step_by(PASS_CHUNK) {
+            let locked = self.lock();
+            for n in chunk..(chunk + PASS_CHUNK).min(slots) {
+                visit(&locked, n);
+            }
+        }
     }
 
     /// The worker wrote `written`: each slot that still counts what was written is clean.
@@ -426,20 +457,19 @@ impl Store {
 
     /// Frees the slots of database `db` that are clean and expired, or whose inbox is one of `gone`.
     pub fn sweep(&self, db: pgrx::pg_sys::Oid, now: i64, gone: &[u64]) {
-        let locked = self.lock();
-        for n in 0..self.slots() {
-            let (head, bytes) = self.slot(&locked, n);
+        self.pass(|locked, n| {
+            let (head, bytes) = self.slot(locked, n);
             if !head.used || crate::shmem::database_of(head.ns) != db {
-                continue;
+                return;
             }
             let expired_clean = head.count == head.flushed && head.expires <= now;
             if expired_clean || gone.contains(&head.ns) {
                 let (ns, hash, id) = (head.ns, head.hash, bytes[..head.id_len as usize].to_vec());
-                if let Some((cell, _)) = self.find(&locked, ns, hash, &id) {
-                    self.free(&locked, cell, n);
+                if let Some((cell, _)) = self.find(locked, ns, hash, &id) {
+                    self.free(locked, cell, n);
                     self.header().evictions.fetch_add(1, Ordering::AcqRel);
                 }
             }
-        }
+        });
     }
 }
