@@ -24,6 +24,7 @@ use crate::shmem::Counter;
 use crate::{attempts, direct, gate, input, rows};
 use pgrx::prelude::*;
 use rustc_hash::FxHashSet as HashSet;
+use std::cell::OnceCell;
 
 /// Rounds of insert/probe/renew before giving up. Each extra round needs a concurrent purge or forget of the very
 /// same id between two statements, so more than a couple of rounds means something is badly wrong.
@@ -35,9 +36,19 @@ fn suspects<'a>(inbox: &Inbox, ids: &[&'a str]) -> Option<HashSet<&'a str>> {
     Some(ids.iter().zip(maybe).filter(|(_, m)| *m).map(|(id, _)| *id).collect())
 }
 
-/// When a mark made now expires: `ttl` (already validated) or the inbox's default (validated when created).
-fn window_end(inbox: &Inbox, ttl: Option<Interval>) -> TimestampWithTimeZone {
-    expiry(statement_now(), ttl.unwrap_or(inbox.default_ttl))
+/// When a mark made now expires: `ttl` (already validated) or the inbox's default (validated when created). Worked
+/// out when first needed (calendar arithmetic in the session's time zone): a call whose ids are all duplicates never
+/// needs it.
+struct WindowEnd<'a> {
+    inbox: &'a Inbox,
+    ttl: Option<Interval>,
+    at: OnceCell<TimestampWithTimeZone>,
+}
+
+impl WindowEnd<'_> {
+    fn get(&self) -> TimestampWithTimeZone {
+        *self.at.get_or_init(|| expiry(statement_now(), self.ttl.unwrap_or(self.inbox.default_ttl)))
+    }
 }
 
 /// Distinct ids claimed together: past this, a call works through its ids in chunks, in sorted order, so its
@@ -55,13 +66,13 @@ pub fn mark_ids(inbox: &Inbox, ids: &[&str], ttl: Option<Interval>) -> Vec<bool>
     let mut order: Vec<u32> = (0..ids.len() as u32).collect();
     order.sort_unstable_by(|&a, &b| ids[a as usize].cmp(ids[b as usize]).then(a.cmp(&b)));
     order.dedup_by(|later, first| ids[*later as usize] == ids[*first as usize]);
-    let expires_at = window_end(inbox, ttl);
+    let expires_at = WindowEnd { inbox, ttl, at: OnceCell::new() };
     let mut new_at = vec![false; ids.len()];
     let mut fresh = 0;
     for chunk in order.chunks(CHUNK.max(order.len().div_ceil(MAX_CHUNKS))) {
         let chunk_ids: Vec<&str> = chunk.iter().map(|&i| ids[i as usize]).collect();
         let suspects = suspects(inbox, &chunk_ids);
-        let out = mark_sorted(inbox, &chunk_ids, suspects.as_ref(), expires_at);
+        let out = mark_sorted(inbox, &chunk_ids, suspects.as_ref(), &expires_at);
         for (&i, id) in chunk.iter().zip(&chunk_ids) {
             if out.fresh.contains(*id) {
                 new_at[i as usize] = true;
@@ -91,12 +102,7 @@ struct Outcome {
 /// duplicate costs one index lookup. When a filter answered, what is left is most likely all new and goes straight
 /// into heap and indexes; whatever that cannot settle takes the ordinary rounds, whose conflict check is the
 /// truth either way.
-fn mark_sorted(
-    inbox: &Inbox,
-    ids: &[&str],
-    suspects: Option<&HashSet<&str>>,
-    expires_at: TimestampWithTimeZone,
-) -> Outcome {
+fn mark_sorted(inbox: &Inbox, ids: &[&str], suspects: Option<&HashSet<&str>>, expires_at: &WindowEnd) -> Outcome {
     let now = statement_now();
     // Sorted and distinct already (see `mark`).
     let mut pending: Vec<String> = ids.iter().map(|id| id.to_string()).collect();
@@ -110,7 +116,7 @@ fn mark_sorted(
             out.false_positives = (probe_first.len() - duplicates) as u64;
         }
         if !pending.is_empty() {
-            let inserted = direct::insert(inbox, &pending, &direct::Row::mark(expires_at));
+            let inserted = direct::insert(inbox, &pending, &direct::Row::mark(expires_at.get()));
             if inserted.len() == pending.len() {
                 pending.clear();
             } else {
@@ -123,7 +129,7 @@ fn mark_sorted(
         if pending.is_empty() {
             return out;
         }
-        out.fresh.extend(insert(inbox, &pending, expires_at));
+        out.fresh.extend(insert(inbox, &pending, expires_at.get()));
         pending.retain(|id| !out.fresh.contains(id));
         if pending.is_empty() {
             return out;
@@ -144,14 +150,14 @@ fn settle(
     inbox: &Inbox,
     ids: &[String],
     now: TimestampWithTimeZone,
-    expires_at: TimestampWithTimeZone,
+    expires_at: &WindowEnd,
     pending: &mut Vec<String>,
     out: &mut Outcome,
 ) {
     let (live, expired) = probe(inbox, ids, now);
     pending.retain(|id| !live.contains(id));
     if !expired.is_empty() {
-        let renewed = returned_ids(inbox, Stmt::Renew, &[expired.into(), expires_at.into(), now.into()]);
+        let renewed = returned_ids(inbox, Stmt::Renew, &[expired.into(), expires_at.get().into(), now.into()]);
         pending.retain(|id| !renewed.contains(id));
         out.renewals += renewed.len() as u64;
         out.fresh.extend(renewed);

@@ -5,8 +5,9 @@
 //! stale ones out, so a table dropped for good does not keep its entry for the life of a pooled connection.
 
 use pgrx::prelude::*;
+use rustc_hash::FxHashMap as HashMap;
+use std::borrow::Borrow;
 use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
 use std::hash::Hash;
 use std::rc::{Rc, Weak};
 
@@ -69,7 +70,8 @@ pub trait Entry {
     fn stale(&self) -> &Stale;
 }
 
-/// A per-backend cache of `V`s by `K`, which never answers with a stale entry.
+/// A per-backend cache of `V`s by `K`, which never answers with a stale entry. Looked up on every call of most
+/// functions, so keyed by a fast non-cryptographic hash (the keys are the caller's own inbox names and tables).
 pub struct Cache<K, V> {
     entries: RefCell<HashMap<K, Rc<V>>>,
     swept: Cell<u64>,
@@ -77,14 +79,17 @@ pub struct Cache<K, V> {
 
 impl<K: Hash + Eq, V: Entry> Default for Cache<K, V> {
     fn default() -> Self {
-        Cache { entries: RefCell::new(HashMap::new()), swept: Cell::new(0) }
+        Cache { entries: RefCell::new(HashMap::default()), swept: Cell::new(0) }
     }
 }
 
 impl<K: Hash + Eq, V: Entry> Cache<K, V> {
     /// The live entry for `key`, after sweeping out the stale ones if any went stale since the last sweep
     /// (dropping an entry frees what it holds; one still in use up the stack goes with its last user).
-    pub fn get(&self, key: &K) -> Option<Rc<V>> {
+    pub fn get<Q: Hash + Eq + ?Sized>(&self, key: &Q) -> Option<Rc<V>>
+    where
+        K: Borrow<Q>,
+    {
         let epoch = EPOCH.get();
         if self.swept.replace(epoch) != epoch {
             self.entries.borrow_mut().retain(|_, v| !v.stale().get());

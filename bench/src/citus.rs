@@ -49,7 +49,13 @@ pub fn scenarios(scale: &Scale) -> Vec<Row> {
     let one_node = pgbench.script("citus_local", &format!("{new_id}SELECT dedup.mark('n-' || :r, NULL, 'local');\n"));
     let mut rows = Vec::new();
     for clients in [1, 8] {
-        let setting = Setting { clients, commit: Commit::Async, secs: scale.run_secs, rounds: scale.rounds };
+        let setting = Setting {
+            clients,
+            commit: Commit::Async,
+            secs: scale.run_secs,
+            rounds: scale.rounds,
+            connect_per_tx: false,
+        };
         let sides = [ours_tx.clone(), hand_tx.clone(), ours.clone(), hand.clone(), one_node.clone()]
             .map(|script| Side::Sql { script, ids: 1 });
         let m = compare(&mut c, &pgbench, &setting, &sides);

@@ -1,6 +1,7 @@
 //! What an application sees: one transaction per mark (or per batch of 1,000) sent by pgbench clients, pg_dedup
 //! against the hand-written SQL on an identical table (`bench_raw`), at the same client counts and
-//! synchronous_commit, alternating. Around them: the ceiling (a transaction doing nothing but `SELECT 1`), the
+//! synchronous_commit, alternating; new ids also against the two-column table an expert writes, on long-lived
+//! connections and with a connection per transaction. Around them: the ceiling (a transaction doing nothing but `SELECT 1`), the
 //! disk's flush rate (pg_test_fsync) and Redis `SET NX EX` at matching durability.
 
 use crate::compare::{compare, Measured, Setting, Side};
@@ -88,7 +89,7 @@ struct Bench<'a> {
 
 impl Bench<'_> {
     fn setting(&self, clients: u32, commit: Commit) -> Setting {
-        Setting { clients, commit, secs: self.scale.run_secs, rounds: self.scale.rounds }
+        Setting { clients, commit, secs: self.scale.run_secs, rounds: self.scale.rounds, connect_per_tx: false }
     }
 
     /// A side running one id per transaction, `statement` with `duplicates`% duplicate ids.
@@ -98,9 +99,18 @@ impl Bench<'_> {
     }
 }
 
+/// The table an expert writes by hand for the same job: the id (`COLLATE "C"`, as the inbox's) and its expiry, with
+/// the index a purge needs; none of the claim columns the inbox (and its raw twin) carry.
+const EXPERT: &str = "bench_expert";
+
 pub fn scenarios(c: &mut Client, pgbench: &Pgbench, cluster_dir: &Path, scale: &Scale) -> Vec<Row> {
     raw_twin(c, "dedup.inbox_default", "bench_raw");
-    for table in ["dedup.inbox_default", "bench_raw"] {
+    c.batch_execute(&format!(
+        "CREATE TABLE {EXPERT} (id text COLLATE \"C\" PRIMARY KEY, expires_at timestamptz NOT NULL); \
+         CREATE INDEX ON {EXPERT} (expires_at)"
+    ))
+    .unwrap();
+    for table in ["dedup.inbox_default", "bench_raw", EXPERT] {
         c.batch_execute(&format!(
             "INSERT INTO {table} (id, expires_at) SELECT 'dup-' || g, now() + interval '30 days' \
              FROM generate_series(1, {}) g",
@@ -108,7 +118,7 @@ pub fn scenarios(c: &mut Client, pgbench: &Pgbench, cluster_dir: &Path, scale: &
         ))
         .unwrap();
     }
-    settle(c, &["dedup.inbox_default", "bench_raw"]);
+    settle(c, &["dedup.inbox_default", "bench_raw", EXPERT]);
     let redis = crate::redis::version().map(|_| [Redis::start(Durability::None), Redis::start(Durability::Fsync)]);
     if redis.is_none() {
         eprintln!(
@@ -121,6 +131,7 @@ pub fn scenarios(c: &mut Client, pgbench: &Pgbench, cluster_dir: &Path, scale: &
     let (duplicates, wal_duplicate) = duplicates(&mut b);
     rows.extend(duplicates);
     rows.extend(batches(&mut b));
+    rows.extend(expert(&mut b));
     rows.push(wal_new);
     rows.extend(wal_duplicate);
     rows
@@ -276,6 +287,31 @@ fn batches(b: &mut Bench) -> Vec<Row> {
             )
             .goal(Goal::AtLeast(2.0)),
         );
+    }
+    rows
+}
+
+/// (d) New ids against the table an expert writes (`EXPERT`), 1 client, sync off: on a long-lived connection, and
+/// with a new connection per transaction, where the first call of a backend is every call (connect-per-request
+/// applications: PHP, serverless functions, short scripts), with `SELECT 1` on a new connection as the ceiling.
+fn expert(b: &mut Bench) -> Vec<Row> {
+    let (mark, raw) = (mark_sql("default"), raw_sql(EXPERT));
+    let mut rows = Vec::new();
+    for connect_per_tx in [false, true] {
+        let mut sides = vec![b.one_id("mark_new", &mark, 0), b.one_id("expert_new", &raw, 0)];
+        if connect_per_tx {
+            sides.push(Side::Sql { script: b.pgbench.script("select_1", "SELECT 1;\n"), ids: 1 });
+        }
+        let setting = Setting { connect_per_tx, ..b.setting(1, Commit::Async) };
+        let m = compare(b.c, b.pgbench, &setting, &sides);
+        let at = setting.label();
+        let goal = Goal::AtLeast(if connect_per_tx { 0.95 } else { 1.0 });
+        let scenario = format!("mark() of a new id per tx vs a two-column table, {at}");
+        rows.push(row(scenario, ("mark", &m[0]), ("raw insert", &m[1]), "tx/s").goal(goal));
+        if connect_per_tx {
+            let ceiling = format!("ceiling: SELECT 1 per tx vs raw insert, {at}");
+            rows.push(row(ceiling, ("SELECT 1", &m[2]), ("raw insert", &m[1]), "tx/s"));
+        }
     }
     rows
 }

@@ -23,12 +23,15 @@ pub struct Setting {
     pub commit: Commit,
     pub secs: u32,
     pub rounds: usize,
+    /// A new connection for every transaction (`pgbench -C`): what connect-per-request applications pay.
+    pub connect_per_tx: bool,
 }
 
 impl Setting {
-    /// "1 client, sync off", as rows name it.
+    /// "1 client, sync off", as rows name it (", a connection per tx" when each transaction connects).
     pub fn label(&self) -> String {
-        format!("{} client{}, {}", self.clients, if self.clients == 1 { "" } else { "s" }, self.commit.label())
+        let connect = if self.connect_per_tx { ", a connection per tx" } else { "" };
+        format!("{} client{}, {}{connect}", self.clients, if self.clients == 1 { "" } else { "s" }, self.commit.label())
     }
 }
 
@@ -51,7 +54,7 @@ struct Sample {
 fn sample(c: &mut Client, pgbench: &Pgbench, setting: &Setting, side: &Side) -> Sample {
     match side {
         Side::Sql { script, ids } => {
-            let run = pgbench.run(c, script, setting.clients, setting.commit, setting.secs);
+            let run = pgbench.run(c, script, setting);
             let ids = *ids as f64;
             Sample { rate: run.tps * ids, wal_per_id: Some(run.wal_per_tx / ids), ids: run.transactions * ids as u64 }
         }

@@ -44,7 +44,13 @@ pub fn scenarios(c: &mut Client, pgbench: &Pgbench, scale: &Scale) -> (Vec<Row>,
         Side::Sql { script: pgbench.script("growth_mark", &one_id_script(&mark_sql("growth"), 0, 0)), ids: 1 },
         Side::Sql { script: pgbench.script("growth_raw", &one_id_script(&raw_sql("growth_raw"), 0, 0)), ids: 1 },
     ];
-    let setting = Setting { clients: 1, commit: Commit::Async, secs: scale.run_secs, rounds: scale.rounds };
+    let setting = Setting {
+        clients: 1,
+        commit: Commit::Async,
+        secs: scale.run_secs,
+        rounds: scale.rounds,
+        connect_per_tx: false,
+    };
     // Rows in each table: the fill's plus the measurements' (all new ids).
     let mut filled = [0i64; 2];
     let mut size = [0i64; 2];

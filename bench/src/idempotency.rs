@@ -60,8 +60,13 @@ pub fn scenarios(c: &mut Client, pgbench: &Pgbench, scale: &Scale) -> Vec<Row> {
     );
     let mut rows = Vec::new();
     for clients in [1, 8] {
-        let setting =
-            crate::compare::Setting { clients, commit: Commit::Async, secs: scale.run_secs, rounds: scale.rounds };
+        let setting = crate::compare::Setting {
+            clients,
+            commit: Commit::Async,
+            secs: scale.run_secs,
+            rounds: scale.rounds,
+            connect_per_tx: false,
+        };
         let sides = [
             Side::Sql { script: ours_new.clone(), ids: 1 },
             Side::Sql { script: hand_new.clone(), ids: 1 },

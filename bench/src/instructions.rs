@@ -14,6 +14,10 @@ use std::process::{Command, Stdio};
 const MARK: &str = "SELECT dedup.mark($1, interval '3 days')";
 const RAW: &str = "INSERT INTO bench_raw (id, expires_at) VALUES ($1, now() + interval '3 days') \
                    ON CONFLICT DO NOTHING RETURNING true";
+/// The same insert into the two-column table an expert writes (id and expiry, as in the clients section), holding
+/// the same rows.
+const EXPERT: &str = "INSERT INTO bench_expert (id, expires_at) VALUES ($1, now() + interval '3 days') \
+                      ON CONFLICT DO NOTHING RETURNING true";
 /// A transaction that does nothing with its id: the floor under both.
 const FLOOR: &str = "SELECT $1::text IS NOT NULL";
 /// Ids already in both tables (the duplicates' pool).
@@ -37,6 +41,9 @@ pub fn scenarios(scale: &Scale) -> Vec<Row> {
              FROM generate_series(1, {PRELOADED}) g"
         ),
         "INSERT INTO bench_raw SELECT * FROM dedup.inbox_default".to_owned(),
+        "CREATE TABLE bench_expert (id text COLLATE \"C\" PRIMARY KEY, expires_at timestamptz NOT NULL)".to_owned(),
+        "CREATE INDEX ON bench_expert (expires_at)".to_owned(),
+        "INSERT INTO bench_expert SELECT id, expires_at FROM dedup.inbox_default".to_owned(),
         "VACUUM ANALYZE".to_owned(),
     ];
     single_user(&cluster, None, &setup.join("\n"));
@@ -64,6 +71,7 @@ pub fn scenarios(scale: &Scale) -> Vec<Row> {
         (counts[1] as f64 - counts[0] as f64) / n as f64
     };
     let (mark, raw, floor) = (per_call(MARK, false), per_call(RAW, false), per_call(FLOOR, false));
+    let expert = per_call(EXPERT, false);
     let (mark_dup, raw_dup) = (per_call(MARK, true), per_call(RAW, true));
     cluster.destroy();
     let unit = "instructions";
@@ -73,6 +81,12 @@ pub fn scenarios(scale: &Scale) -> Vec<Row> {
             "the same above the floor (a transaction doing nothing)",
             ("mark", mark - floor),
             ("raw insert", raw - floor),
+            unit,
+        ),
+        Row::new(
+            "server instructions per call, new id, vs a two-column table (callgrind)",
+            ("mark", mark),
+            ("raw insert", expert),
             unit,
         ),
         // A duplicate answered by reading the primary key directly costs less than ON CONFLICT's

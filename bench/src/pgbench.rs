@@ -4,6 +4,7 @@
 //! Client-side, because a single mark's cost is mostly the round trip and the commit, which a server-side loop
 //! never pays; pgbench (C, prepared statements) keeps the client's own cost out of the comparison.
 
+use crate::compare::Setting;
 use pg_dedup_harness::postgres::Client;
 use pg_dedup_harness::Cluster;
 use std::path::{Path, PathBuf};
@@ -64,11 +65,15 @@ impl Pgbench {
         path
     }
 
-    /// Runs `script` for `secs` seconds with `clients` connections (two pgbench threads when there are several).
-    /// `c` is a separate connection, used only to read the WAL position before and after.
-    pub fn run(&self, c: &mut Client, script: &Path, clients: u32, commit: Commit, secs: u32) -> Run {
+    /// Runs `script` at `setting` (its seconds, clients, synchronous_commit, and a connection per transaction or
+    /// not). `c` is a separate connection, used only to read the WAL position before and after.
+    pub fn run(&self, c: &mut Client, script: &Path, setting: &Setting) -> Run {
         let before: String = c.query_one("SELECT pg_current_wal_insert_lsn()::text", &[]).unwrap().get(0);
-        let out = self.command(script, clients, commit, secs).arg(&self.db).output();
+        let mut command = self.command(script, setting.clients, setting.commit, setting.secs);
+        if setting.connect_per_tx {
+            command.arg("-C");
+        }
+        let out = command.arg(&self.db).output();
         let wal: f64 = c
             .query_one("SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), $1::text::pg_lsn)::float8", &[&before])
             .unwrap()

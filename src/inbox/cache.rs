@@ -15,7 +15,7 @@ thread_local! {
 /// Finds an inbox, checks the caller's privileges on its table and locks it for `access`.
 pub fn open(name: &str, access: Access) -> Rc<Inbox> {
     loop {
-        let inbox = CACHE.with(|c| c.get(&name.to_owned())).unwrap_or_else(|| {
+        let inbox = CACHE.with(|c| c.get(name)).unwrap_or_else(|| {
             let inbox = Rc::new(registry::load(name));
             CACHE.with(|c| c.insert(name.to_owned(), inbox.clone()));
             inbox

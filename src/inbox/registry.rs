@@ -21,8 +21,8 @@ fn relation_oid(name: &str) -> pg_sys::Oid {
 
 /// Finding an inbox (once per inbox and session) or listing them reads the registry: a caller who may not read it
 /// gets a dedup error saying which grant is missing, instead of a raw permission error from inside SPI. (Column privileges on
-/// the registry do not count: grant SELECT on the table.)
-fn check_registry_readable() {
+/// the registry do not count: grant SELECT on the table.) Returns the registry's oid.
+fn check_registry_readable() -> pg_sys::Oid {
     let relid = crate::catalog::dedup_relation(c"inbox_registry");
     // SAFETY: an ACL check of an existing relation (the registry belongs to the extension) for the current user.
     let readable =
@@ -34,6 +34,7 @@ fn check_registry_readable() {
             "An administrator can run: GRANT SELECT ON dedup.inbox_registry TO <role>; (see docs/privileges.md).",
         )
     }
+    relid
 }
 
 fn unknown_inbox(name: &str) -> ! {
@@ -44,15 +45,15 @@ fn unknown_inbox(name: &str) -> ! {
     )
 }
 
-/// Reads inbox `name` from the registry and finds its table, both in one query through the latest snapshot,
+/// Reads inbox `name` from the registry and finds its table, both through one snapshot, the latest,
 /// whatever this transaction's isolation level: so the two agree on one moment, and an inbox dropped or created
 /// while this runs is found whole or not at all ("does not exist"). (The syscache could not be trusted for this:
 /// a committing transaction is visible to snapshots a moment before its cache invalidations are sent.) "Registered
 /// but its table is missing" then means just that. The caller locks the table, which waits for its creator's
 /// commit to finish.
 pub(super) fn load(name: &str) -> Inbox {
-    check_registry_readable();
-    let Some((default_ttl, relid)) = registered(name) else { unknown_inbox(name) };
+    let registry = check_registry_readable();
+    let Some((default_ttl, relid)) = registered(registry, name) else { unknown_inbox(name) };
     let Some(relid) = relid else {
         raise(
             PgSqlErrorCode::ERRCODE_UNDEFINED_TABLE,
@@ -65,45 +66,85 @@ pub(super) fn load(name: &str) -> Inbox {
 }
 
 /// The default TTL of registered inbox `name` and its table's oid (None if the table is missing), read through the
-/// latest snapshot (not this transaction's).
-fn registered(name: &str) -> Option<(Interval, Option<pg_sys::Oid>)> {
-    Spi::connect(|_client| {
-        // SAFETY: inside an SPI connection; the snapshot pushed is popped before returning. read_only = true makes
-        // SPI run the query on the active snapshot, the one pushed here, instead of taking the transaction's.
-        unsafe {
-            pg_sys::PushActiveSnapshot(pg_sys::GetLatestSnapshot());
-            let mut argtypes = [pg_sys::TEXTOID];
-            let mut values = [name.into_datum().expect("text is a datum")];
-            let status = pg_sys::SPI_execute_with_args(
-                c"SELECT r.default_ttl, c.oid FROM dedup.inbox_registry r
-                    LEFT JOIN pg_catalog.pg_class c
-                      ON c.relname OPERATOR(pg_catalog.=) ('inbox_' OPERATOR(pg_catalog.||) r.name)::pg_catalog.name
-                     AND c.relnamespace OPERATOR(pg_catalog.=) 'dedup'::pg_catalog.regnamespace
-                   WHERE r.name OPERATOR(pg_catalog.=) $1"
-                    .as_ptr(),
-                1,
-                argtypes.as_mut_ptr(),
-                values.as_mut_ptr(),
-                std::ptr::null(),
-                true,
-                1,
-            );
-            pg_sys::PopActiveSnapshot();
-            if status != pg_sys::SPI_OK_SELECT as i32 {
-                internal("reading dedup.inbox_registry", format!("SPI status {status}"))
-            }
-            let table = pg_sys::SPI_tuptable;
-            if table.is_null() || pg_sys::SPI_processed == 0 {
-                return None;
-            }
-            let (row, desc) = (*(*table).vals, (*table).tupdesc);
+/// latest snapshot (not this transaction's), one snapshot for both.
+///
+/// Two index scans (the registry's primary key, then pg_class by name and schema) rather than a query: a query
+/// through SPI is parsed, analysed and planned again in every new backend, which made up about 3.5 million of the
+/// 5 million instructions of a connection's first `mark()` (callgrind, PG 15); connect-per-request clients pay it on
+/// every request.
+fn registered(registry: pg_sys::Oid, name: &str) -> Option<(Interval, Option<pg_sys::Oid>)> {
+    let table = std::ffi::CString::new(table_name(name)).expect("validated names have no NUL");
+    // SAFETY: the snapshot is registered before use and unregistered before returning; each relation is opened
+    // (and locked, as a query would lock it) for its scan only, and every scan ended before its relation closes.
+    // Values are copied out of a tuple before its scan ends.
+    unsafe {
+        let snapshot = pg_sys::RegisterSnapshot(pg_sys::GetLatestSnapshot());
+        let lock = pg_sys::AccessShareLock as pg_sys::LOCKMODE;
+        let rel = pg_sys::table_open(registry, lock);
+        let mut key = pg_sys::ScanKeyData::default();
+        pg_sys::ScanKeyInit(
+            &mut key,
+            1, // name: the primary key's column (systable_beginscan applies the index's collation)
+            pg_sys::BTEqualStrategyNumber as pg_sys::StrategyNumber,
+            pg_sys::Oid::from(pg_sys::F_TEXTEQ),
+            name.into_datum().expect("text is a datum"),
+        );
+        // Without its primary key (only a superuser could drop it) the registry's few rows are scanned instead.
+        let pkey = crate::ports::primary_key_index(rel);
+        let scan = pg_sys::systable_beginscan(rel, pkey, pkey != pg_sys::InvalidOid, snapshot, 1, &mut key);
+        let row = pg_sys::systable_getnext(scan);
+        let ttl = (!row.is_null()).then(|| {
             let mut isnull = false;
-            let ttl = pg_sys::SPI_getbinval(row, desc, 1, &mut isnull);
-            let ttl = Interval::from_polymorphic_datum(ttl, isnull, pg_sys::INTERVALOID)?;
-            let oid = pg_sys::SPI_getbinval(row, desc, 2, &mut isnull);
-            Some((ttl, pg_sys::Oid::from_polymorphic_datum(oid, isnull, pg_sys::OIDOID)))
-        }
-    })
+            let ttl = pg_sys::heap_getattr(row, 2, (*rel).rd_att, &mut isnull);
+            Interval::from_polymorphic_datum(ttl, isnull, pg_sys::INTERVALOID).expect("default_ttl is NOT NULL")
+        });
+        pg_sys::systable_endscan(scan);
+        pg_sys::table_close(rel, lock);
+        let found = ttl.map(|ttl| (ttl, class_oid(&table, crate::catalog::dedup_namespace(), snapshot)));
+        pg_sys::UnregisterSnapshot(snapshot);
+        found
+    }
+}
+
+/// The oid of relation `relname` in schema `namespace` as `snapshot` sees pg_class (None: there is none).
+///
+/// # Safety
+/// `snapshot` must be a registered MVCC snapshot.
+unsafe fn class_oid(
+    relname: &std::ffi::CStr,
+    namespace: pg_sys::Oid,
+    snapshot: pg_sys::Snapshot,
+) -> Option<pg_sys::Oid> {
+    // SAFETY: pg_class and its name index always exist; the scan ends and the relation closes before returning, and
+    // the oid is read from the tuple before that.
+    unsafe {
+        let lock = pg_sys::AccessShareLock as pg_sys::LOCKMODE;
+        let rel = pg_sys::table_open(pg_sys::RelationRelationId, lock);
+        let mut relname_key = pg_sys::NameData::default();
+        pg_sys::namestrcpy(&mut relname_key, relname.as_ptr());
+        let mut keys = [pg_sys::ScanKeyData::default(), pg_sys::ScanKeyData::default()];
+        pg_sys::ScanKeyInit(
+            &mut keys[0],
+            pg_sys::Anum_pg_class_relname as pg_sys::AttrNumber,
+            pg_sys::BTEqualStrategyNumber as pg_sys::StrategyNumber,
+            pg_sys::Oid::from(pg_sys::F_NAMEEQ),
+            pg_sys::Datum::from(&mut relname_key as *mut pg_sys::NameData),
+        );
+        pg_sys::ScanKeyInit(
+            &mut keys[1],
+            pg_sys::Anum_pg_class_relnamespace as pg_sys::AttrNumber,
+            pg_sys::BTEqualStrategyNumber as pg_sys::StrategyNumber,
+            pg_sys::Oid::from(pg_sys::F_OIDEQ),
+            pg_sys::Datum::from(namespace),
+        );
+        let index = pg_sys::Oid::from(pg_sys::ClassNameNspIndexId);
+        let scan = pg_sys::systable_beginscan(rel, index, true, snapshot, 2, keys.as_mut_ptr());
+        let tuple = pg_sys::systable_getnext(scan);
+        let oid = (!tuple.is_null()).then(|| (*crate::ports::GETSTRUCT::<pg_sys::FormData_pg_class>(tuple)).oid);
+        pg_sys::systable_endscan(scan);
+        pg_sys::table_close(rel, lock);
+        oid
+    }
 }
 
 /// Creates the inbox's table and registers it, for a caller with EXECUTE on `dedup.create_inbox()`.
