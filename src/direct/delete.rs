@@ -20,13 +20,13 @@ use pgrx::PgMemoryContexts;
 /// one else wants the CPU, and slows the purge down when someone does.
 const YIELD_EVERY: i64 = 256;
 
-/// The btree on `expires_at` of `rel` that a scan for `expires_at <= now` may walk: one key column, the second
-/// column of the row type, in the default operator family of timestamptz, valid, no predicate, no expression;
-/// InvalidOid if an owner dropped or replaced it.
+/// The btree on `expires_at` of `rel` that a scan for `expires_at <= now` may walk (one key column, the second
+/// column of the row type, in the default operator family of timestamptz, valid, no predicate, no expression), and
+/// the function of that family's `<=` for the scan key; None if an owner dropped or replaced it.
 ///
 /// # Safety
 /// `rel` must be an open inbox table, locked by this transaction.
-unsafe fn expiry_index(rel: pg_sys::Relation) -> pg_sys::Oid {
+unsafe fn expiry_index(rel: pg_sys::Relation) -> Option<(pg_sys::Oid, pg_sys::Oid)> {
     // SAFETY: the caller vouches for the relation; each index is opened, its relcache entry only read, and closed;
     // the list is the relcache's copy, ours to free.
     unsafe {
@@ -55,7 +55,13 @@ unsafe fn expiry_index(rel: pg_sys::Relation) -> pg_sys::Oid {
             }
         }
         pg_sys::list_free(list);
-        found
+        let at_most = pg_sys::get_opfamily_member(
+            family,
+            pg_sys::TIMESTAMPTZOID,
+            pg_sys::TIMESTAMPTZOID,
+            pg_sys::BTLessEqualStrategyNumber as i16,
+        );
+        (found != pg_sys::InvalidOid && at_most != pg_sys::InvalidOid).then(|| (found, pg_sys::get_opcode(at_most)))
     }
 }
 
@@ -74,11 +80,10 @@ pub fn delete_expired(inbox: &Inbox, now: TimestampWithTimeZone, limit: i64, yie
     unsafe {
         scratch.switch_to(|_| {
             let rel = pg_sys::table_open(inbox.relid, pg_sys::NoLock as pg_sys::LOCKMODE);
-            let index_oid = expiry_index(rel);
-            if index_oid == pg_sys::InvalidOid {
+            let Some((index_oid, at_most)) = expiry_index(rel) else {
                 pg_sys::table_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
                 return None;
-            }
+            };
             // What the executor checks before a DELETE: a table published for deletes must say how its rows are
             // identified (an inbox has its primary key, unless an owner changed its replica identity).
             pg_sys::CheckCmdReplicaIdentity(rel, pg_sys::CmdType::CMD_DELETE);
@@ -95,7 +100,7 @@ pub fn delete_expired(inbox: &Inbox, now: TimestampWithTimeZone, limit: i64, yie
                 &mut key,
                 1,
                 pg_sys::BTLessEqualStrategyNumber as pg_sys::StrategyNumber,
-                pg_sys::Oid::from(pg_sys::F_TIMESTAMPTZ_LE),
+                at_most,
                 now_datum,
             );
             pg_sys::index_rescan(scan, &mut key, 1, std::ptr::null_mut(), 0);
