@@ -1,17 +1,20 @@
 //! Deleting expired marks in short batches, found through the btree on `expires_at`, so a batch costs the same
-//! whatever the table size. A batch never waits for a row another transaction holds (a mark() renewing it wins):
-//! it first tries a plain DELETE of up to `limit` expired rows — no row locks, the cheapest purge there is — under
-//! a 1 ms lock_timeout; if some row is held, that attempt fails and is undone, and the batch is redone with
-//! `FOR UPDATE SKIP LOCKED`, which passes over held rows. The background worker runs each batch in a transaction of
-//! its own, so undoing a failed attempt is rolling back that transaction; `dedup.purge()` runs batches in the
-//! caller's transaction and wraps each attempt in a subtransaction instead (while the backend has room for one).
+//! whatever the table size. A batch never waits for a row another transaction holds (a mark() renewing it wins).
+//! Where the table allows (its shape is `plain`), a batch deletes straight from the heap (`direct::delete_expired`):
+//! it walks the btree and passes over held rows without waiting, with no statement, no rights switch and nothing
+//! to undo. Otherwise (an owner's trigger, rule or row security, a Citus table) it runs SQL: first a plain DELETE
+//! of up to `limit` expired rows — no row locks — under a 1 ms lock_timeout; if some row is held, that attempt fails
+//! and is undone, and the batch is redone with `FOR UPDATE SKIP LOCKED`, which passes over held rows. The
+//! background worker runs each batch in a transaction of its own, so undoing a failed attempt is rolling back that
+//! transaction; `dedup.purge()` runs batches in the caller's transaction and wraps each attempt in a subtransaction
+//! instead (while the backend has room for one).
 
 use crate::clock::statement_now;
 use crate::errors::server_log;
 use crate::inbox::{self, Access, Inbox, Stmt};
 use crate::shmem::{Counter, WorkerSlot};
 use crate::xact::{self, in_transaction, try_transaction};
-use crate::{attempts, citus, guc, input, ports, positions, rights};
+use crate::{attempts, citus, direct, guc, input, ports, positions, rights};
 use pgrx::prelude::*;
 use std::ffi::CStr;
 use std::time::{Duration, Instant};
@@ -34,7 +37,16 @@ pub enum HeldRows {
     Skip,
 }
 
-/// Deletes up to `limit` marks of `inbox` that expired before `now`; returns how many. With
+/// Deletes up to `limit` marks of `inbox` that expired before `now` straight from the heap, and counts them; None
+/// when the table needs SQL (`purge_batch`). With `paced`, the batch offers the CPU to other processes as it goes
+/// (`direct::delete_expired`).
+fn purge_directly(inbox: &Inbox, now: TimestampWithTimeZone, limit: i64, paced: bool) -> Option<i64> {
+    let deleted = direct::delete_expired(inbox, now, limit, paced)?;
+    inbox.count(Counter::Purged, deleted as u64);
+    Some(deleted)
+}
+
+/// Deletes up to `limit` marks of `inbox` that expired before `now` through SQL; returns how many. With
 /// `HeldRows::WaitBriefly` it may raise lock_not_available, and the caller undoes it and retries with `Skip`.
 pub fn purge_batch(inbox: &Inbox, now: TimestampWithTimeZone, limit: i64, held: HeldRows) -> i64 {
     let run = |stmt| Spi::connect(|client| inbox.run(client, stmt, &[now.into(), limit.into()]).len()) as i64;
@@ -46,10 +58,14 @@ pub fn purge_batch(inbox: &Inbox, now: TimestampWithTimeZone, limit: i64, held: 
     deleted
 }
 
-/// One batch inside the caller's transaction: the quick attempt in a subtransaction, then skipping held rows. Once
-/// the backend's subtransaction cache is half full (a purge of many batches), only the latter: each batch's
-/// subtransaction would otherwise stay in it, and past 64 the cache overflows.
+/// One batch inside the caller's transaction: directly where the table allows, else the quick attempt in a
+/// subtransaction, then skipping held rows. Once the backend's subtransaction cache is half full (a purge of many
+/// batches), only the latter: each batch's subtransaction would otherwise stay in it, and past 64 the cache
+/// overflows.
 fn purge_batch_in_place(inbox: &Inbox, now: TimestampWithTimeZone, limit: i64) -> i64 {
+    if let Some(deleted) = purge_directly(inbox, now, limit, false) {
+        return deleted;
+    }
     let quick = || xact::unless_it_waits(|| purge_batch(inbox, now, limit, HeldRows::WaitBriefly));
     xact::has_room().then(quick).flatten().unwrap_or_else(|| purge_batch(inbox, now, limit, HeldRows::Skip))
 }
@@ -122,17 +138,24 @@ pub fn purge_cycle(slot: &WorkerSlot, go_on: impl Fn(Duration) -> bool) {
                 if limit <= 0 {
                     break true;
                 }
+                // Directly where the table allows: no code of the owner's can run, so no rights to switch to. Else
+                // through SQL, as the table's owner. A worker told to leave room for foreground work between its
+                // batches (`dedup.purge_batch_delay`) leaves some within them too.
+                let paced = guc::PURGE_BATCH_DELAY.get() > 0;
                 let batch = |held| {
                     move || {
                         with_batch_timeout(|| {
                             let inbox = inbox::open(name, Access::Delete);
-                            rights::as_table_owner(inbox.relid, || purge_batch(&inbox, statement_now(), limit, held))
+                            let now = statement_now();
+                            purge_directly(&inbox, now, limit, paced).unwrap_or_else(|| {
+                                rights::as_table_owner(inbox.relid, || purge_batch(&inbox, now, limit, held))
+                            })
                         })
                     }
                 };
-                // The quick attempt; if it met a row another transaction holds, it was rolled back: skip held rows.
-                // Anything else that fails (the batch timed out, say) is logged, and the cycle goes on with the next
-                // inbox.
+                // The quick attempt (always the only one when direct); if it met a row another transaction holds,
+                // it was rolled back: skip held rows. Anything else that fails (the batch timed out, say) is logged,
+                // and the cycle goes on with the next inbox.
                 let what = format!("purging a batch of inbox \"{name}\"");
                 let deleted = match try_transaction(batch(HeldRows::WaitBriefly)) {
                     Ok(deleted) => Some(deleted),
@@ -270,6 +293,36 @@ mod tests {
         assert_eq!(super::purge_batch(&inbox, now, 10, super::HeldRows::Skip), 1);
         assert_eq!(super::purge_batch(&inbox, now, 10, super::HeldRows::Skip), 0);
         assert_eq!(count("dedup.inbox_edges"), 2);
+    }
+
+    #[pg_test]
+    fn purge_directly_deletes_only_expired_marks_up_to_the_limit() {
+        expired_inbox("direct", 5, 3);
+        run("UPDATE dedup.inbox_direct SET expires_at = now() + interval '1 hour' WHERE id = 'e1'");
+        let inbox = crate::inbox::open("direct", crate::inbox::Access::Delete);
+        let now = crate::clock::statement_now();
+        assert_eq!(crate::direct::delete_expired(&inbox, now, 3, false), Some(3));
+        assert_eq!(crate::direct::delete_expired(&inbox, now, 10, true), Some(1), "the renewed mark is live");
+        assert_eq!(count("dedup.inbox_direct"), 4);
+        assert_eq!(one::<i64>("SELECT count(*) FROM dedup.inbox_direct WHERE expires_at <= now()"), 0);
+    }
+
+    #[pg_test]
+    fn purge_of_a_table_with_code_of_its_owner_or_without_the_expiry_btree_runs_sql() {
+        expired_inbox("owned_code", 4, 1);
+        run("CREATE TABLE purge_seen (id text);
+             CREATE FUNCTION purge_note() RETURNS trigger LANGUAGE plpgsql AS
+                 $$ BEGIN INSERT INTO purge_seen VALUES (OLD.id); RETURN OLD; END $$;
+             CREATE TRIGGER note BEFORE DELETE ON dedup.inbox_owned_code FOR EACH ROW EXECUTE FUNCTION purge_note()");
+        let inbox = crate::inbox::open("owned_code", crate::inbox::Access::Delete);
+        assert!(crate::direct::delete_expired(&inbox, crate::clock::statement_now(), 10, false).is_none());
+        assert_eq!(one::<i64>("SELECT dedup.purge('owned_code')"), 4);
+        assert_eq!(count("purge_seen"), 4, "the owner's trigger saw every delete");
+        expired_inbox("unindexed_purge", 3, 1);
+        run("DROP INDEX dedup.inbox_unindexed_purge_expires_at_idx");
+        let inbox = crate::inbox::open("unindexed_purge", crate::inbox::Access::Delete);
+        assert!(crate::direct::delete_expired(&inbox, crate::clock::statement_now(), 10, false).is_none());
+        assert_eq!(one::<i64>("SELECT dedup.purge('unindexed_purge')"), 3);
     }
 
     #[pg_test]

@@ -2,6 +2,7 @@
 //! statement would spend most of its time on the statement itself (a plan started and ended, a snapshot, a
 //! RETURNING row) rather than on the row:
 //! - `insert`: ids the filter vouches for, into heap and indexes;
+//! - `delete`: expired rows, found through the `expires_at` btree, for the purge;
 //! - `lookup`: the row of one id, through the primary key, as a statement of this transaction would see it;
 //! - `update`: a claim this transaction wrote, completed in place.
 //!
@@ -9,10 +10,12 @@
 //! honour beyond the row itself (another trigger, a rule, row security, a CHECK constraint). Every other table is
 //! left to the SQL statements of `inbox::Stmt`, which obey the same rules.
 
+mod delete;
 mod insert;
 mod lookup;
 mod update;
 
+pub use delete::delete_expired;
 pub use insert::insert;
 pub use lookup::{find_each, readable, Found};
 pub use update::complete_own;

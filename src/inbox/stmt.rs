@@ -118,6 +118,9 @@ impl Stmt {
             Stmt::Release => {
                 format!("DELETE FROM {table} WHERE id OPERATOR(pg_catalog.=) $1 AND NOT completed RETURNING true")
             }
+            // No ORDER BY needed here: checked after six executions of the prepared statement (inboxes of 1M
+            // rows, a tenth expired, loaded in order and shuffled), the generic plan is an index(-only) scan of
+            // expires_at that stops at the cap, as the count reads no column but the key.
             Stmt::Backlog => format!(
                 "SELECT pg_catalog.count(*) FROM (SELECT 1 FROM {table} \
                  WHERE expires_at OPERATOR(pg_catalog.<=) $1 LIMIT $2) s"

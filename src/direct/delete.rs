@@ -1,0 +1,152 @@
+//! Deleting expired rows straight from the heap, found by walking the `expires_at` btree with an index scan of our
+//! own: what the purge's `DELETE ... WHERE ctid = ANY (ARRAY(SELECT ctid ... ORDER BY expires_at LIMIT n))` does,
+//! without a statement to plan and start, a list of ctids to collect, sort and fetch again, or the executor's work
+//! per row (none of which a plain inbox row needs: no trigger fires on DELETE, no rule or row security applies).
+//!
+//! A row is deleted only if this transaction's snapshot sees it expired and no other transaction holds it; the
+//! delete never waits. A row another transaction is changing or has changed since the snapshot (a mark renewing it,
+//! a `forget()`) is passed over, as `FOR UPDATE SKIP LOCKED` would: the purge's next cycle meets it again if it is
+//! still expired then. So there is no lock_timeout to set, no failed attempt to undo, and nothing to retry.
+
+use crate::inbox::Inbox;
+use crate::ports;
+use pgrx::prelude::*;
+use pgrx::PgMemoryContexts;
+
+/// Rows deleted between two offers of the CPU (about a tenth of a millisecond of work), when asked to offer it. On
+/// a busy machine a batch of ten thousand rows is a burst of several milliseconds, and the scheduler lets a running
+/// process finish its time slice before a waking one gets the core: the marks queued behind the burst make
+/// mark()'s tail latency. Offering the core this often bounds that wait to a sub-batch; it costs nothing when no
+/// one else wants the CPU, and slows the purge down when someone does.
+const YIELD_EVERY: i64 = 256;
+
+/// The btree on `expires_at` of `rel` that a scan for `expires_at <= now` may walk (one key column, the second
+/// column of the row type, in the default operator family of timestamptz, valid, no predicate, no expression), and
+/// the function of that family's `<=` for the scan key; None if an owner dropped or replaced it.
+///
+/// # Safety
+/// `rel` must be an open inbox table, locked by this transaction.
+unsafe fn expiry_index(rel: pg_sys::Relation) -> Option<(pg_sys::Oid, pg_sys::Oid)> {
+    // SAFETY: the caller vouches for the relation; each index is opened, its relcache entry only read, and closed;
+    // the list is the relcache's copy, ours to free.
+    unsafe {
+        let opclass = pg_sys::GetDefaultOpClass(pg_sys::TIMESTAMPTZOID, pg_sys::BTREE_AM_OID);
+        let family = pg_sys::get_opclass_family(opclass);
+        let list = pg_sys::RelationGetIndexList(rel);
+        let n = if list.is_null() { 0 } else { (*list).length as usize };
+        let mut found = pg_sys::InvalidOid;
+        for i in 0..n {
+            let oid = (*(*list).elements.add(i)).oid_value;
+            let index = pg_sys::index_open(oid, pg_sys::AccessShareLock as pg_sys::LOCKMODE);
+            let form = &*(*index).rd_index;
+            let none =
+                |column: u32| pg_sys::heap_attisnull((*index).rd_indextuple, column as i32, std::ptr::null_mut());
+            let fits = (*(*index).rd_rel).relam == pg_sys::BTREE_AM_OID
+                && form.indisvalid
+                && form.indnatts == 1
+                && form.indkey.values.as_slice(1)[0] == 2
+                && *(*index).rd_opfamily == family
+                && none(pg_sys::Anum_pg_index_indexprs)
+                && none(pg_sys::Anum_pg_index_indpred);
+            pg_sys::index_close(index, pg_sys::AccessShareLock as pg_sys::LOCKMODE);
+            if fits {
+                found = oid;
+                break;
+            }
+        }
+        pg_sys::list_free(list);
+        let at_most = pg_sys::get_opfamily_member(
+            family,
+            pg_sys::TIMESTAMPTZOID,
+            pg_sys::TIMESTAMPTZOID,
+            pg_sys::BTLessEqualStrategyNumber as i16,
+        );
+        (found != pg_sys::InvalidOid && at_most != pg_sys::InvalidOid).then(|| (found, pg_sys::get_opcode(at_most)))
+    }
+}
+
+/// Deletes up to `limit` rows of `inbox` that expired at or before `now`, in `expires_at` order, passing over rows
+/// other transactions hold, and offering the CPU to other processes every `YIELD_EVERY` rows if `yield_cpu`;
+/// returns how many it deleted, or None when the table needs the executor (its shape is not `plain`) or has no
+/// usable `expires_at` btree: then the caller runs the SQL purge instead.
+pub fn delete_expired(inbox: &Inbox, now: TimestampWithTimeZone, limit: i64, yield_cpu: bool) -> Option<i64> {
+    if !inbox.shape().plain {
+        return None;
+    }
+    // The scan and whatever the index allocates go into a context of their own, gone when this returns.
+    let mut scratch = PgMemoryContexts::new("dedup purge");
+    // SAFETY: the table was opened and locked (RowExclusiveLock) by this transaction (`inbox::open`); the index is
+    // locked here. Every pointer below lives until the matching end/close/drop, all before returning.
+    unsafe {
+        scratch.switch_to(|_| {
+            let rel = pg_sys::table_open(inbox.relid, pg_sys::NoLock as pg_sys::LOCKMODE);
+            let Some((index_oid, at_most)) = expiry_index(rel) else {
+                pg_sys::table_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
+                return None;
+            };
+            // What the executor checks before a DELETE: a table published for deletes must say how its rows are
+            // identified (an inbox has its primary key, unless an owner changed its replica identity).
+            pg_sys::CheckCmdReplicaIdentity(rel, pg_sys::CmdType::CMD_DELETE);
+            let index = pg_sys::index_open(index_oid, pg_sys::AccessShareLock as pg_sys::LOCKMODE);
+            // As SPI does before a statement: this transaction's changes so far become visible, and a snapshot is
+            // taken (a fresh one under READ COMMITTED).
+            pg_sys::CommandCounterIncrement();
+            let snapshot = pg_sys::RegisterSnapshot(pg_sys::GetTransactionSnapshot());
+            let cid = pg_sys::GetCurrentCommandId(true);
+            let scan = ports::index_beginscan(rel, index, snapshot, 1);
+            let now_datum = now.into_datum().expect("a timestamp is a datum");
+            let mut key = pg_sys::ScanKeyData::default();
+            pg_sys::ScanKeyInit(
+                &mut key,
+                1,
+                pg_sys::BTLessEqualStrategyNumber as pg_sys::StrategyNumber,
+                at_most,
+                now_datum,
+            );
+            pg_sys::index_rescan(scan, &mut key, 1, std::ptr::null_mut(), 0);
+            let slot = pg_sys::table_slot_create(rel, std::ptr::null_mut());
+            let mut deleted = 0;
+            while deleted < limit && pg_sys::index_getnext_slot(scan, pg_sys::ScanDirection::ForwardScanDirection, slot)
+            {
+                // The version the snapshot sees, read again from the heap: expired by its own expires_at, not
+                // only by its index entry. (A timestamptz datum is its int64 microseconds, infinities included:
+                // compared as such, without a conversion per row.)
+                let mut null = false;
+                let expires_at = pg_sys::slot_getattr(slot, 2, &mut null);
+                if null || expires_at.value() as i64 > now_datum.value() as i64 {
+                    continue;
+                }
+                let mut tid = (*slot).tts_tid;
+                let mut failure = pg_sys::TM_FailureData::default();
+                let outcome = pg_sys::table_tuple_delete(
+                    rel,
+                    &mut tid,
+                    cid,
+                    snapshot,
+                    std::ptr::null_mut(),
+                    false, // never wait: a row someone holds is theirs
+                    &mut failure,
+                    false,
+                );
+                if outcome == pg_sys::TM_Result::TM_Ok {
+                    deleted += 1;
+                    if yield_cpu && deleted % YIELD_EVERY == 0 {
+                        // sched_yield(): runs whoever waits for this core, then comes back.
+                        std::thread::yield_now();
+                    }
+                }
+                pgrx::check_for_interrupts!();
+            }
+            pg_sys::ExecDropSingleTupleTableSlot(slot);
+            pg_sys::index_endscan(scan);
+            pg_sys::UnregisterSnapshot(snapshot);
+            pg_sys::index_close(index, pg_sys::NoLock as pg_sys::LOCKMODE);
+            pg_sys::table_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
+            if deleted > 0 {
+                // Later statements of the transaction must not see the rows, as after any SQL delete.
+                pg_sys::CommandCounterIncrement();
+            }
+            Some(deleted)
+        })
+    }
+}
