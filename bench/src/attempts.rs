@@ -26,7 +26,13 @@ pub fn scenarios(c: &mut Client, pgbench: &Pgbench, scale: &Scale) -> Vec<Row> {
         if clients == 1 {
             sides.push(Side::Sql { script: pgbench.script("select_1_for_attempt", "SELECT 1;\n"), ids: 1 });
         }
-        let setting = Setting { clients, commit: Commit::Async, secs: scale.run_secs, rounds: scale.rounds };
+        let setting = Setting {
+            clients,
+            commit: Commit::Async,
+            secs: scale.run_secs,
+            rounds: scale.rounds,
+            connect_per_tx: false,
+        };
         let m = compare(c, pgbench, &setting, &sides);
         let at = setting.label();
         rows.push(
