@@ -46,7 +46,7 @@ SELECT pg_catalog.pg_extension_config_dump('dedup.positions', '');
 CREATE TABLE dedup.attempt_counts (
     inbox         text NOT NULL,
     id            text COLLATE "C" NOT NULL,
-    attempts      integer NOT NULL,
+    attempts      integer NOT NULL CHECK (attempts > 0),
     first_attempt timestamptz NOT NULL,
     last_attempt  timestamptz NOT NULL,
     expires_at    timestamptz NOT NULL,

@@ -92,7 +92,7 @@ DROP FUNCTION dedup.inbox_counters();
 CREATE TABLE dedup.attempt_counts (
     inbox         text NOT NULL,
     id            text COLLATE "C" NOT NULL,
-    attempts      integer NOT NULL,
+    attempts      integer NOT NULL CHECK (attempts > 0),
     first_attempt timestamptz NOT NULL,
     last_attempt  timestamptz NOT NULL,
     expires_at    timestamptz NOT NULL,

@@ -245,6 +245,9 @@ pub extern "C-unwind" fn pg_dedup_worker_main(arg: pg_sys::Datum) {
             attempts::make_durable();
         }
     };
+    // When the extension was first seen missing (DROP EXTENSION, or not created yet): from the next round on,
+    // counts made before that can never be written, and their slots go back to the other databases.
+    let mut missing_since: Option<pg_sys::TimestampTz> = None;
     let flush_if_due = |installed: bool| {
         if last_flush.get().elapsed() >= flush_interval() {
             flush(installed);
@@ -257,6 +260,8 @@ pub extern "C-unwind" fn pg_dedup_worker_main(arg: pg_sys::Datum) {
             slot.pid.store(0, Ordering::Release);
             return; // exit code 0: the postmaster does not start it again
         }
+        // SAFETY: reads the clock.
+        let checked_at = unsafe { pg_sys::GetCurrentTimestamp() };
         installed = in_transaction("checking for the extension", || {
             Spi::get_one::<bool>(
                 "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_extension WHERE extname OPERATOR(pg_catalog.=) 'pg_dedup')",
@@ -272,6 +277,13 @@ pub extern "C-unwind" fn pg_dedup_worker_main(arg: pg_sys::Datum) {
             );
         }
         told_missing = !installed;
+        match (installed, missing_since) {
+            (true, _) => missing_since = None,
+            (false, None) => missing_since = Some(checked_at),
+            // Missing at two checks: a count older than the first belongs to an extension dropped since (one made
+            // after a CREATE EXTENSION that came in between is newer, and a DROP since would be seen by this check).
+            (false, Some(since)) => attempts::drop_database_counts(since),
+        }
         let interval = Duration::from_secs(guc::PURGE_INTERVAL.get().max(1) as u64);
         if installed {
             in_transaction("repairing filter triggers", rebuild::repair_triggers);

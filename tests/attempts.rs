@@ -10,13 +10,24 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 /// The databases of this file's tests, each served by a worker of the shared server.
-const DATABASES: &str = "att_rollback, att_client, att_race, att_ttl, att_forget, att_rights";
+const DATABASES: &str =
+    "att_rollback, att_client, att_race, att_ttl, att_forget, att_rights, att_prepare, att_drop, att_range";
 
 /// A preloaded server whose workers serve this file's databases, making counts durable every 100 ms.
 fn server() -> &'static Cluster {
     static SERVER: OnceLock<Cluster> = OnceLock::new();
-    SERVER
-        .get_or_init(|| preloaded(DATABASES, &["dedup.attempts_flush_interval = '100ms'", "dedup.purge_interval = 1"]))
+    shared(&SERVER, || {
+        preloaded(
+            DATABASES,
+            &[
+                "dedup.attempts_flush_interval = '100ms'",
+                "dedup.purge_interval = 1",
+                "max_prepared_transactions = 2",
+                // A worker per database, and the launcher.
+                "max_worker_processes = 16",
+            ],
+        )
+    })
 }
 
 fn wait_for_worker(c: &mut Client) {
@@ -261,5 +272,75 @@ fn counts_go_on_from_the_table_when_their_slots_serve_other_ids() {
             assert_eq!(patient(&mut c, &id), round, "{id} in round {round}");
         }
     }
+    cluster.destroy();
+}
+
+#[test]
+fn a_forget_cannot_be_prepared() {
+    // Its reset would have to follow COMMIT or ROLLBACK PREPARED, from any session: refused, and nothing reset.
+    let mut c = server().fresh_db("att_prepare");
+    for n in 1..=3 {
+        assert_eq!(attempt(&mut c, "p"), n);
+    }
+    c.batch_execute("BEGIN; SELECT dedup.forget('p')").unwrap();
+    assert_dedup_error(c.batch_execute("PREPARE TRANSACTION 'att_p'"), "0A000");
+    assert_eq!(attempt(&mut c, "p"), 4, "the refused forget reset nothing");
+    // A prepared transaction without forget() is none of its business.
+    c.batch_execute("BEGIN; SELECT dedup.attempt('q'); PREPARE TRANSACTION 'att_q'").unwrap();
+    c.batch_execute("ROLLBACK PREPARED 'att_q'").unwrap();
+    assert_eq!(attempt(&mut c, "q"), 2);
+}
+
+#[test]
+fn a_dropped_inbox_leaves_no_count_for_one_created_again_under_its_name() {
+    // The drop's transaction outlives several of the worker's writes (every 100 ms) of the inbox's dirty count.
+    let mut c = server().fresh_db("att_drop");
+    wait_for_worker(&mut c);
+    c.batch_execute("SELECT dedup.create_inbox('w')").unwrap();
+    for n in 1..=3 {
+        assert_eq!(c.query_one("SELECT dedup.attempt('k', 'w')", &[]).unwrap().get::<_, i32>(0), n);
+    }
+    c.batch_execute("BEGIN; SELECT dedup.drop_inbox('w'); SELECT pg_sleep(0.5); COMMIT").unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let left: i64 = c.query_one("SELECT count(*) FROM dedup.attempt_counts WHERE inbox = 'w'", &[]).unwrap().get(0);
+    assert_eq!(left, 0, "a count of the dropped inbox was written after its drop deleted them");
+    c.batch_execute("SELECT dedup.create_inbox('w')").unwrap();
+    assert_eq!(c.query_one("SELECT dedup.attempt('k', 'w')", &[]).unwrap().get::<_, i32>(0), 1);
+}
+
+#[test]
+fn a_count_stays_in_range_whatever_the_table_holds() {
+    let mut c = server().fresh_db("att_range");
+    let err = c.batch_execute(
+        "INSERT INTO dedup.attempt_counts VALUES ('default', 'neg', -1, now(), now(), now() + interval '1 day')",
+    );
+    assert_eq!(sqlstate(&err.unwrap_err()), "23514", "the table holds positive counts only");
+    c.batch_execute(
+        "INSERT INTO dedup.attempt_counts VALUES ('default', 'max', 2147483647, now(), now(), now() + interval '1 day')",
+    )
+    .unwrap();
+    assert_eq!(attempt(&mut c, "max"), i32::MAX, "a count at the top stays there");
+    assert_eq!(attempt(&mut c, "max"), i32::MAX);
+}
+
+#[test]
+fn a_database_that_drops_the_extension_gives_its_slots_back() {
+    // 16 short slots, shared by two databases, written once an hour: twelve counts of a database whose extension
+    // is then dropped could never be written, and would keep the other database from counting more than four ids.
+    let cluster = preloaded(
+        "att_gone, att_other",
+        &["dedup.attempts_max = 16", "dedup.attempts_flush_interval = '1h'", "dedup.purge_interval = 1"],
+    );
+    let mut gone = cluster.fresh_db("att_gone");
+    let mut other = cluster.fresh_db("att_other");
+    wait_for_worker(&mut gone);
+    wait_for_worker(&mut other);
+    gone.batch_execute("SELECT count(dedup.attempt('g' || i)) FROM generate_series(1, 12) i").unwrap();
+    gone.batch_execute("DROP EXTENSION pg_dedup CASCADE").unwrap();
+    // The worker frees them once it has seen the extension missing twice (a round or two, a second each).
+    eventually("the dropped database's slots are free", || {
+        other.query_one("SELECT dedup.attempt('probe')", &[]).is_ok()
+            && (0..15).all(|i| other.query_one("SELECT dedup.attempt($1)", &[&format!("o{i}")]).is_ok())
+    });
     cluster.destroy();
 }

@@ -10,18 +10,27 @@ use std::time::{Duration, Instant};
 
 static PLAIN: OnceLock<Cluster> = OnceLock::new();
 static PRELOADED: OnceLock<Cluster> = OnceLock::new();
+/// Every shared server a test binary started, destroyed when it exits (statics are never dropped).
+static SHARED: Mutex<Vec<&'static OnceLock<Cluster>>> = Mutex::new(Vec::new());
 
 extern "C" fn destroy_shared() {
-    for cluster in [&PLAIN, &PRELOADED].into_iter().filter_map(|c| c.get()) {
+    let cells = SHARED.lock().map(|cells| cells.clone()).unwrap_or_default();
+    for cluster in cells.into_iter().filter_map(|c| c.get()) {
         cluster.destroy();
     }
 }
 
-fn shared(cell: &'static OnceLock<Cluster>, start: impl FnOnce() -> Cluster) -> &'static Cluster {
+/// The server in `cell`, started by `start` the first time, and stopped and removed when the test process exits:
+/// for a binary that needs a shared server of its own settings.
+pub fn shared(cell: &'static OnceLock<Cluster>, start: impl FnOnce() -> Cluster) -> &'static Cluster {
     cell.get_or_init(|| {
-        // SAFETY: registering a plain extern "C" function with no captured state (twice at most; it destroys
-        // whichever servers were started).
-        unsafe { libc::atexit(destroy_shared) };
+        let mut cells = SHARED.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if cells.is_empty() {
+            // SAFETY: registering a plain extern "C" function with no captured state, once per process.
+            unsafe { libc::atexit(destroy_shared) };
+        }
+        cells.push(cell);
+        drop(cells);
         start()
     })
 }

@@ -57,7 +57,8 @@ fn with_row<R>(inbox: &str, id: &str, lock: u32, f: impl FnOnce(pg_sys::Relation
             };
             Found {
                 tid: (*slot).tts_tid,
-                count: column(3).map_or(0, |d| d.value() as u32),
+                // A count the table should not hold (its CHECK dropped, the row edited) is no count.
+                count: column(3).map_or(0, |d| (d.value() as i32).max(0) as u32),
                 first: column(4).map_or(0, |d| d.value() as i64),
                 expires: column(6).map_or(0, |d| d.value() as i64),
             }
@@ -75,7 +76,7 @@ fn with_row<R>(inbox: &str, id: &str, lock: u32, f: impl FnOnce(pg_sys::Relation
 /// The count of `id` in `inbox` as the worker last wrote it (None: none, or it lapsed before `now`).
 pub fn read(inbox: &str, id: &str, now: i64) -> Option<Durable> {
     with_row(inbox, id, pg_sys::AccessShareLock, |_, found| {
-        found.filter(|f| f.expires > now).map(|f| Durable { count: f.count, first: f.first })
+        found.filter(|f| f.expires > now && f.count > 0).map(|f| Durable { count: f.count, first: f.first })
     })
 }
 

@@ -114,9 +114,9 @@ fn store() -> &'static Store {
             PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
             format!("attempt() needs the pg_dedup worker of database \"{database}\" to make its counts durable"),
             format!(
-                "Add the database to dedup.database and reload: ALTER SYSTEM SET dedup.database = '{}'; SELECT \
+                "Add the database to dedup.database and reload: ALTER SYSTEM SET dedup.database = {}; SELECT \
                  pg_reload_conf();",
-                listed.into_iter().chain([database.clone()]).collect::<Vec<_>>().join(", ")
+                pgrx::spi::quote_literal(listed.into_iter().chain([database.clone()]).collect::<Vec<_>>().join(", "))
             ),
         )
     }
@@ -225,6 +225,15 @@ pub fn forget(inbox: &Inbox, id: &str) {
 /// Called by PostgreSQL only, at the end of a transaction.
 #[pg_guard]
 unsafe extern "C-unwind" fn at_end_of_transaction(event: pg_sys::XactEvent::Type, _arg: *mut std::ffi::c_void) {
+    if event == pg_sys::XactEvent::XACT_EVENT_PRE_PREPARE && FORGOTTEN.with(|f| !f.borrow().is_empty()) {
+        // The reset would have to wait for COMMIT PREPARED, in whatever session runs it: not supported.
+        raise(
+            PgSqlErrorCode::ERRCODE_FEATURE_NOT_SUPPORTED,
+            "cannot PREPARE a transaction that called forget(): its reset of the counts of attempts could not follow \
+             the prepared transaction's outcome",
+            "Call forget() in a transaction that commits directly.",
+        )
+    }
     let forgotten = FORGOTTEN.with(|f| std::mem::take(&mut *f.borrow_mut()));
     let committed =
         event == pg_sys::XactEvent::XACT_EVENT_COMMIT || event == pg_sys::XactEvent::XACT_EVENT_PARALLEL_COMMIT;
@@ -238,8 +247,10 @@ unsafe extern "C-unwind" fn at_end_of_transaction(event: pg_sys::XactEvent::Type
                 let _ = store.reset(ns, &id, now);
             }
         }
-    } else if event != pg_sys::XactEvent::XACT_EVENT_ABORT && event != pg_sys::XactEvent::XACT_EVENT_PARALLEL_ABORT {
-        // Before commit (PRE_COMMIT, PREPARE, ...): keep them for the end.
+    } else if event == pg_sys::XactEvent::XACT_EVENT_PRE_COMMIT
+        || event == pg_sys::XactEvent::XACT_EVENT_PARALLEL_PRE_COMMIT
+    {
+        // Before commit: keep them for the end.
         FORGOTTEN.with(|f| *f.borrow_mut() = forgotten);
     }
 }
@@ -314,13 +325,15 @@ fn write_changed() -> Vec<store::Count> {
     let mut gone = Vec::new();
     let mut written = Vec::new();
     let mut inboxes = Vec::new();
+    let mut looked_up = std::collections::HashMap::new();
     for count in changed {
-        match catalog::inbox_name_of(shmem::relation_of(count.ns)) {
-            Some(inbox) => {
-                inboxes.push(inbox);
+        match looked_up.entry(count.ns).or_insert_with(|| inbox_to_write(count.ns)) {
+            Lookup::Inbox(inbox) => {
+                inboxes.push(inbox.clone());
                 written.push(count);
             }
-            None => gone.push(count.ns),
+            Lookup::Gone => gone.push(count.ns),
+            Lookup::Busy => {} // dirty still: the next round
         }
     }
     if !written.is_empty() {
@@ -341,6 +354,42 @@ fn write_changed() -> Vec<store::Count> {
         store.sweep(db, unsafe { pg_sys::GetCurrentTimestamp() }, &gone);
     }
     written
+}
+
+/// What the worker found of the inbox whose key is `ns`.
+enum Lookup {
+    /// Its name, with its table locked until the write commits.
+    Inbox(String),
+    /// Dropped: its counts go.
+    Gone,
+    /// Its table is locked by someone else (a drop, an ALTER TABLE): its counts wait for the next round.
+    Busy,
+}
+
+/// Looks up the inbox of key `ns` for a write of its counts, and locks its table (ACCESS SHARE, without waiting):
+/// a `drop_inbox()` holds the table from its start, so a write never lands between its delete of the inbox's counts
+/// and its commit (the drop waits for the write instead, then deletes what it wrote).
+fn inbox_to_write(ns: u64) -> Lookup {
+    let relid = shmem::relation_of(ns);
+    if catalog::inbox_name_of(relid).is_none() {
+        return Lookup::Gone;
+    }
+    // SAFETY: takes a relation lock by oid, held until the transaction ends.
+    let locked = unsafe { pg_sys::ConditionalLockRelationOid(relid, pg_sys::AccessShareLock as pg_sys::LOCKMODE) };
+    if !locked {
+        return Lookup::Busy;
+    }
+    // Locking took in the invalidations: a drop that committed meanwhile is seen now.
+    catalog::inbox_name_of(relid).map_or(Lookup::Gone, Lookup::Inbox)
+}
+
+/// The extension is not installed in this database (dropped since): no count of it made before `before` can ever
+/// be written, so their slots serve other databases' ids.
+pub fn drop_database_counts(before: pg_sys::TimestampTz) {
+    if let Some(store) = shmem::region().map(|r| r.attempts()) {
+        // SAFETY: reads a backend global, set once connected.
+        store.drop_database(unsafe { pg_sys::MyDatabaseId }, before);
+    }
 }
 
 /// Once the counts `written` are committed: they are clean (their slots may then serve other ids), and lapsed ones go

@@ -118,6 +118,11 @@ pub fn size(max: usize) -> usize {
         + long * stride(LONG_ID)
 }
 
+/// One more attempt than `count`, up to the largest an `integer` holds (where a count stays: it never wraps).
+fn bump(count: u32) -> u32 {
+    count.saturating_add(1).min(i32::MAX as u32)
+}
+
 /// The id's hash in the index (never 0, so a zeroed slot is never mistaken for one).
 fn hash(ns: u64, id: &[u8]) -> u64 {
     pg_dedup_bloom::hash_key(ns, id) | 1
@@ -232,10 +237,14 @@ impl Store {
         None
     }
 
-    /// Frees slot `n` (found at index cell `cell`).
-    fn free(&self, locked: &Locked, cell: usize, n: usize) {
+    /// Frees used slot `n` for another id, and counts the eviction (see the module comment).
+    fn evict(&self, locked: &Locked, n: usize) {
+        let (head, bytes) = self.slot(locked, n);
+        let (ns, hash, id) = (head.ns, head.hash, bytes[..head.id_len as usize].to_vec());
+        let (cell, _) = self.find(locked, ns, hash, &id).expect("a used slot is in the index");
         self.index(locked)[cell] = FREED;
         self.slot(locked, n).0.used = false;
+        self.header().evictions.fetch_add(1, Ordering::AcqRel);
     }
 
     /// Counts one more attempt of `id` if the store holds its count, and returns the new count. An expired count
@@ -248,7 +257,7 @@ impl Store {
             head.count = 0;
             head.first = now;
         }
-        head.count += 1;
+        head.count = bump(head.count);
         head.last = now;
         head.expires = expires;
         Some(head.count)
@@ -285,11 +294,12 @@ impl Store {
         let n = self.take_slot(&locked, bytes.len()).ok_or(Full)?;
         let (head, slot_id) = self.slot(&locked, n);
         let durable = durable.unwrap_or(Durable { count: 0, first: now });
+        let count = bump(durable.count);
         *head = Head {
             used: true,
             ns,
             hash,
-            count: durable.count + 1,
+            count,
             flushed: durable.count,
             first: durable.first,
             last: now,
@@ -298,7 +308,7 @@ impl Store {
         };
         slot_id[..bytes.len()].copy_from_slice(bytes);
         self.link(&locked, hash, n);
-        Ok(Some(durable.count + 1))
+        Ok(Some(count))
     }
 
     /// Puts slot `n` into the index; builds the index again first if too few cells are EMPTY (a probe for an id
@@ -360,12 +370,8 @@ impl Store {
             !head.used || head.count == head.flushed
         })?;
         self.header_mut(locked).hands[which] = ((n - first + 1) % count) as u32;
-        let (head, bytes) = self.slot(locked, n);
-        if head.used {
-            let (ns, hash, id) = (head.ns, head.hash, bytes[..head.id_len as usize].to_vec());
-            let (cell, _) = self.find(locked, ns, hash, &id).expect("a used slot is in the index");
-            self.free(locked, cell, n);
-            self.header().evictions.fetch_add(1, Ordering::AcqRel);
+        if self.slot(locked, n).0.used {
+            self.evict(locked, n);
         }
         Some(n)
     }
@@ -455,20 +461,28 @@ impl Store {
         Ok(())
     }
 
+    /// Frees every slot of database `db` last counted before `before`, dirty or not: the extension is gone from it,
+    /// and with it the table the counts were for (a dirty slot nobody can write would otherwise be lost to every
+    /// database).
+    pub fn drop_database(&self, db: pgrx::pg_sys::Oid, before: i64) {
+        self.pass(|locked, n| {
+            let (head, _) = self.slot(locked, n);
+            if head.used && crate::shmem::database_of(head.ns) == db && head.last < before {
+                self.evict(locked, n);
+            }
+        });
+    }
+
     /// Frees the slots of database `db` that are clean and expired, or whose inbox is one of `gone`.
     pub fn sweep(&self, db: pgrx::pg_sys::Oid, now: i64, gone: &[u64]) {
         self.pass(|locked, n| {
-            let (head, bytes) = self.slot(locked, n);
+            let (head, _) = self.slot(locked, n);
             if !head.used || crate::shmem::database_of(head.ns) != db {
                 return;
             }
             let expired_clean = head.count == head.flushed && head.expires <= now;
             if expired_clean || gone.contains(&head.ns) {
-                let (ns, hash, id) = (head.ns, head.hash, bytes[..head.id_len as usize].to_vec());
-                if let Some((cell, _)) = self.find(locked, ns, hash, &id) {
-                    self.free(locked, cell, n);
-                    self.header().evictions.fetch_add(1, Ordering::AcqRel);
-                }
+                self.evict(locked, n);
             }
         });
     }
