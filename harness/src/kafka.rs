@@ -9,6 +9,7 @@ use std::net::{Ipv4Addr, TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// Where scripts/setup.sh installs what the Kafka mode needs: the broker, and a Python with confluent-kafka for
@@ -88,6 +89,11 @@ impl Tansu {
             assert!(Instant::now() < deadline, "Tansu did not listen in 30 s:\n{}", self.log());
             std::thread::sleep(Duration::from_millis(20));
         }
+        // Listening, but is it ours? A broker that lost its port to another dies of it at once.
+        std::thread::sleep(Duration::from_millis(100));
+        if let Some(status) = self.server.try_wait().expect("wait for tansu") {
+            panic!("tansu exited with {status} (was its port taken?):\n{}", self.log());
+        }
     }
 }
 
@@ -100,7 +106,20 @@ impl Drop for Tansu {
     }
 }
 
-/// A loopback port free right now (released for the broker to bind).
+/// A loopback port free right now (released for the broker to bind), and never one this process handed out before:
+/// the kernel may give a released port again to the next bind. Two brokers started side by side (tests/kafka.rs)
+/// were then given one port: the second failed to bind it, but its readiness check connected to the first, and two
+/// runs shared one broker (seen in CI: "create topic payments: TopicAlreadyExists", then a producer flush that timed
+/// out).
 fn free_port() -> u16 {
-    TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).and_then(|l| l.local_addr()).expect("bind a free port").port()
+    static HANDED_OUT: Mutex<Vec<u16>> = Mutex::new(Vec::new());
+    let mut handed_out = HANDED_OUT.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    loop {
+        let port =
+            TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).and_then(|l| l.local_addr()).expect("bind a free port").port();
+        if !handed_out.contains(&port) {
+            handed_out.push(port);
+            return port;
+        }
+    }
 }
