@@ -117,6 +117,15 @@ pub fn inbox_name_of(relid: pg_sys::Oid) -> Option<String> {
     name.strip_prefix("inbox_").map(str::to_owned)
 }
 
+/// May the current user SELECT from existing relation `relid` (table privileges; column ones do not count)?
+pub fn caller_may_select(relid: pg_sys::Oid) -> bool {
+    // SAFETY: an ACL check of an existing relation (the caller's promise) for the current user.
+    unsafe {
+        pg_sys::pg_class_aclcheck(relid, pg_sys::GetUserId(), pg_sys::ACL_SELECT as pg_sys::AclMode)
+            == pg_sys::AclResult::ACLCHECK_OK
+    }
+}
+
 /// Does relation `relid` exist (as the catalog snapshot sees it; the caller holds a lock on it, or accepts that it
 /// may go right after)?
 pub fn relation_exists(relid: pg_sys::Oid) -> bool {

@@ -183,12 +183,7 @@ fn attempts_in_memory() -> TableIterator<
         let relid = shmem::relation_of(c.ns);
         // A count of an inbox dropped since waits for the worker to sweep it.
         let Some(inbox) = catalog::inbox_name_of(relid) else { continue };
-        // SAFETY: an ACL check of an existing relation for the current user.
-        let readable = unsafe {
-            pg_sys::pg_class_aclcheck(relid, pg_sys::GetUserId(), pg_sys::ACL_SELECT as pg_sys::AclMode)
-                == pg_sys::AclResult::ACLCHECK_OK
-        };
-        if !readable {
+        if !catalog::caller_may_select(relid) {
             continue;
         }
         rows.push((inbox, c.id, c.count as i32, at(c.first), at(c.last), at(c.expires)));

@@ -24,10 +24,8 @@ fn relation_oid(name: &str) -> pg_sys::Oid {
 /// the registry do not count: grant SELECT on the table.) Returns the registry's oid.
 fn check_registry_readable() -> pg_sys::Oid {
     let relid = crate::catalog::dedup_relation(c"inbox_registry");
-    // SAFETY: an ACL check of an existing relation (the registry belongs to the extension) for the current user.
-    let readable =
-        unsafe { pg_sys::pg_class_aclcheck(relid, pg_sys::GetUserId(), pg_sys::ACL_SELECT as pg_sys::AclMode) };
-    if readable != pg_sys::AclResult::ACLCHECK_OK {
+    // The registry belongs to the extension: it exists.
+    if !crate::catalog::caller_may_select(relid) {
         raise(
             PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
             "permission denied for dedup.inbox_registry, where every call looks up its inbox",
