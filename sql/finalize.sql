@@ -53,6 +53,13 @@ SELECT a.inbox, a.id, a.attempts, a.first_attempt, a.last_attempt
                  'SELECT')) a
  WHERE a.expires_at OPERATOR(pg_catalog.>) pg_catalog.now();
 
+-- The filter holds the key (inbox and id) of every row of dedup.attempt_counts too, so that attempt() of an id the
+-- table certainly lacks need not read it: the same trigger as an inbox table's, keyed by both columns
+-- (src/trigger.rs, Key::InboxAndId).
+CREATE TRIGGER dedup_filter AFTER INSERT OR UPDATE OF inbox, id ON dedup.attempt_counts
+  FOR EACH ROW EXECUTE FUNCTION dedup.inbox_filter_trigger('inbox_and_id');
+ALTER TABLE dedup.attempt_counts ENABLE ALWAYS TRIGGER dedup_filter;
+
 -- Any DDL that may change an inbox table's filter trigger (disable it, put it in origin mode, drop or re-create it)
 -- makes the filter stop trusting that inbox at once, inside the transaction that changed it; the background worker
 -- repairs the trigger and reloads the inbox (src/trigger.rs). Event triggers run whoever issues the command, and

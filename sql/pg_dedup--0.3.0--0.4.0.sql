@@ -18,6 +18,8 @@
 -- 3. Delivery attempts (docs/poison-messages.md): dedup.attempt() counts them outside the caller's transaction, in
 --    shared memory, and the workers make the counts durable in dedup.attempt_counts; dedup.attempts shows each role
 --    those of the inboxes it may read, and dedup.stats counts attempt() calls (a new column, attempts, at the end).
+--    The Bloom filter holds the keys of dedup.attempt_counts (its dedup_filter trigger), so attempt() of a new id
+--    does not read the table.
 \echo Use "ALTER EXTENSION pg_dedup UPDATE TO '0.4.0'" to load this file. \quit
 
 DELETE FROM dedup.attachment_registry a
@@ -100,6 +102,10 @@ CREATE TABLE dedup.attempt_counts (
 );
 CREATE INDEX ON dedup.attempt_counts (inbox, expires_at);
 SELECT pg_catalog.pg_extension_config_dump('dedup.attempt_counts', '');
+-- Keyed in the Bloom filter by inbox and id, like an inbox table by id (finalize.sql, the same statements).
+CREATE TRIGGER dedup_filter AFTER INSERT OR UPDATE OF inbox, id ON dedup.attempt_counts
+  FOR EACH ROW EXECUTE FUNCTION dedup.inbox_filter_trigger('inbox_and_id');
+ALTER TABLE dedup.attempt_counts ENABLE ALWAYS TRIGGER dedup_filter;
 
 CREATE FUNCTION dedup.attempts_in_memory() RETURNS TABLE (
 	"inbox" TEXT,

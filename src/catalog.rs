@@ -78,6 +78,17 @@ pub fn tables() -> Vec<pg_sys::Oid> {
     local(inbox_tables())
 }
 
+/// The tables whose rows the filter holds: `tables()`, and `dedup.attempt_counts` (keyed by inbox and id,
+/// `trigger::Key`), which lets `attempt()` of an id it certainly lacks skip reading it.
+pub fn filtered_tables() -> Vec<pg_sys::Oid> {
+    let mut tables = tables();
+    let counts = dedup_relation(c"attempt_counts");
+    if counts != pg_sys::InvalidOid {
+        tables.push(counts);
+    }
+    tables
+}
+
 /// Of `tables`, those Citus does not distribute.
 pub fn local(tables: Vec<pg_sys::Oid>) -> Vec<pg_sys::Oid> {
     tables.into_iter().filter(|relid| !crate::citus::distributed(*relid)).collect()

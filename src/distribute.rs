@@ -181,7 +181,7 @@ fn undistribute_inbox(name: Option<&str>) {
                 .update(&format!("ALTER TABLE {table} OF dedup.inbox_row"), None, &[])
                 .unwrap_or_else(|e| internal("typing the undistributed table", e));
             client
-                .update(&trigger::create_sql(&table), None, &[])
+                .update(&trigger::create_sql(&table, trigger::Key::Id), None, &[])
                 .unwrap_or_else(|e| internal("re-creating the filter trigger", e));
             unregister_on_workers(client, name);
         })

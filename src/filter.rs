@@ -40,17 +40,32 @@ pub fn is_preloaded() -> bool {
 /// Adds keys to both generations. Called for every row written to an inbox table, right after it is written (by
 /// the filter trigger, and by the direct insert, which bypasses triggers).
 pub fn add<S: AsRef<str>>(ns: u64, ids: &[S]) {
+    insert(hashes(ns, ids.iter().map(|id| id.as_ref().as_bytes())))
+}
+
+/// `add` of keys as bytes (those of `dedup.attempt_counts` are not ids alone: `attempt_key`).
+pub fn add_keys<K: AsRef<[u8]>>(ns: u64, keys: &[K]) {
+    insert(hashes(ns, keys.iter().map(|key| key.as_ref())))
+}
+
+fn insert(hashes: Vec<u64>) {
     if let Some(h) = region() {
         let (first, second) = (generation(h, 0), generation(h, 1));
-        pg_dedup_bloom::for_each_prefetched(&[&first, &second], &hashes(ns, ids), |_, hash| {
+        pg_dedup_bloom::for_each_prefetched(&[&first, &second], &hashes, |_, hash| {
             first.insert(hash);
             second.insert(hash);
         });
     }
 }
 
-fn hashes<S: AsRef<str>>(ns: u64, ids: &[S]) -> Vec<u64> {
-    ids.iter().map(|id| pg_dedup_bloom::hash_key(ns, id.as_ref().as_bytes())).collect()
+fn hashes<'k>(ns: u64, keys: impl Iterator<Item = &'k [u8]>) -> Vec<u64> {
+    keys.map(|key| pg_dedup_bloom::hash_key(ns, key)).collect()
+}
+
+/// The key a row of `dedup.attempt_counts` has in the filter (under that table's namespace): its inbox's name and
+/// its id, apart by a NUL, which no text holds.
+pub fn attempt_key(inbox: &[u8], id: &[u8]) -> Vec<u8> {
+    [inbox, &[0], id].concat()
 }
 
 /// A filter that can answer for one inbox right now, or None (not preloaded, switched off, standby, not loaded).
@@ -62,6 +77,7 @@ pub struct Trusted {
 }
 
 impl Trusted {
+    /// The filter of the table of key `ns` (an inbox table, or `dedup.attempt_counts`), if it can answer now.
     pub fn for_inbox(ns: u64) -> Option<Trusted> {
         let header = region()?;
         // SAFETY: asks shared memory whether the server is in recovery; callable in any backend.
@@ -76,7 +92,12 @@ impl Trusted {
 
     /// False: certainly never marked. True: maybe.
     pub fn may_contain(&self, id: &str) -> bool {
-        generation(self.header, self.gen).may_contain(pg_dedup_bloom::hash_key(self.ns, id.as_bytes()))
+        self.may_contain_key(id.as_bytes())
+    }
+
+    /// `may_contain` of a key as bytes (`attempt_key`).
+    pub fn may_contain_key(&self, key: &[u8]) -> bool {
+        generation(self.header, self.gen).may_contain(pg_dedup_bloom::hash_key(self.ns, key))
             || self.cleared_meanwhile()
     }
 
@@ -84,7 +105,8 @@ impl Trusted {
     pub fn maybe<S: AsRef<str>>(&self, ids: &[S]) -> Vec<bool> {
         let filter = generation(self.header, self.gen);
         let mut maybe = vec![false; ids.len()];
-        pg_dedup_bloom::for_each_prefetched(&[&filter], &hashes(self.ns, ids), |i, hash| {
+        let hashes = hashes(self.ns, ids.iter().map(|id| id.as_ref().as_bytes()));
+        pg_dedup_bloom::for_each_prefetched(&[&filter], &hashes, |i, hash| {
             maybe[i] = filter.may_contain(hash);
         });
         if maybe.contains(&false) && self.cleared_meanwhile() {

@@ -45,7 +45,7 @@ pub enum Skipped {
 pub fn run(rotate: bool) -> Option<Rebuilt> {
     let guard = filter::try_begin_rebuild()?;
     let target = guard.target(rotate);
-    let tables = catalog::tables();
+    let tables = catalog::filtered_tables();
     let wanted = if rotate { tables } else { filter::untrusted(&tables) };
     let mut done = Rebuilt { inboxes: 0, keys: 0, skipped: Vec::new() };
     for relid in wanted {
@@ -78,7 +78,7 @@ fn load_inbox(guard: &RebuildGuard, target: usize, relid: pg_sys::Oid) -> Result
         let rel = pg_sys::table_open(relid, pg_sys::NoLock as pg_sys::LOCKMODE);
         let loaded = match State::of(rel) {
             State::Guarding if shmem::region().and_then(|h| h.entry(ns, true)).is_some() => {
-                Ok(scan_ids(rel, |hashes| guard.load(target, hashes)))
+                Ok(scan_keys(rel, trigger::Key::of(relid), |hashes| guard.load(target, hashes)))
             }
             State::Guarding => Err(Skipped::NoRoom),
             state => Err(Skipped::Unguarded(state)),
@@ -92,13 +92,13 @@ fn load_inbox(guard: &RebuildGuard, target: usize, relid: pg_sys::Oid) -> Result
 }
 
 /// Reads every row of `rel` with a dirty snapshot — committed rows and those of transactions still in progress,
-/// prepared ones included, whatever this transaction's own snapshot — and hands the keys of their ids to `load` in
-/// batches. Straight from the heap: no SQL runs, so nothing an owner attached to the table runs either. Returns
-/// how many rows it read.
+/// prepared ones included, whatever this transaction's own snapshot — and hands the hashes of their keys (`key`) to
+/// `load` in batches. Straight from the heap: no SQL runs, so nothing an owner attached to the table runs either.
+/// Returns how many rows it read.
 ///
 /// # Safety
-/// `rel` must be an open inbox table.
-unsafe fn scan_ids(rel: pg_sys::Relation, mut load: impl FnMut(&[u64])) -> i64 {
+/// `rel` must be an open table the filter guards, keyed as `key` says.
+unsafe fn scan_keys(rel: pg_sys::Relation, key: trigger::Key, mut load: impl FnMut(&[u64])) -> i64 {
     // SAFETY: the caller vouches for the relation; the scan, its slot and the memory context are made and released here,
     // and each id is detoasted into that context, which is reset only once its hash is taken.
     unsafe {
@@ -120,13 +120,23 @@ unsafe fn scan_ids(rel: pg_sys::Relation, mut load: impl FnMut(&[u64])) -> i64 {
         loop {
             let more = pg_sys::table_scan_getnextslot(scan, pg_sys::ScanDirection::ForwardScanDirection, slot);
             if more {
-                let mut isnull = false;
-                let id = pg_sys::slot_getattr(slot, 1, &mut isnull);
-                if !isnull {
-                    let caller = pg_sys::MemoryContextSwitchTo(memory);
-                    let text = pg_sys::pg_detoast_datum_packed(id.cast_mut_ptr());
-                    hashes.push(pg_dedup_bloom::hash_key(ns, pgrx::varlena::varlena_to_byte_slice(text)));
-                    pg_sys::MemoryContextSwitchTo(caller);
+                let caller = pg_sys::MemoryContextSwitchTo(memory);
+                let column = |attnum: i32| {
+                    let mut isnull = false;
+                    let datum = pg_sys::slot_getattr(slot, attnum, &mut isnull);
+                    (!isnull).then(|| {
+                        pgrx::varlena::varlena_to_byte_slice(pg_sys::pg_detoast_datum_packed(datum.cast_mut_ptr()))
+                    })
+                };
+                let hash = match key {
+                    trigger::Key::Id => column(1).map(|id| pg_dedup_bloom::hash_key(ns, id)),
+                    trigger::Key::InboxAndId => column(1)
+                        .zip(column(2))
+                        .map(|(inbox, id)| pg_dedup_bloom::hash_key(ns, &filter::attempt_key(inbox, id))),
+                };
+                pg_sys::MemoryContextSwitchTo(caller);
+                if let Some(hash) = hash {
+                    hashes.push(hash);
                     rows += 1;
                 }
             }
@@ -201,11 +211,17 @@ thread_local! {
 pub fn repair_triggers() {
     let Some(region) = shmem::region() else { return };
     let tables = catalog::inbox_tables();
+    let counts = catalog::dedup_relation(c"attempt_counts");
     // SAFETY: reads a backend global, set once connected.
     let database = unsafe { pg_sys::MyDatabaseId };
     // Distributed inboxes keep theirs: their counters count the calls made here.
-    region.free_entries(|ns| shmem::database_of(ns) == database && !tables.contains(&shmem::relation_of(ns)));
-    for relid in filter::untrusted(&catalog::local(tables)) {
+    region.free_entries(|ns| {
+        let relid = shmem::relation_of(ns);
+        shmem::database_of(ns) == database && relid != counts && !tables.contains(&relid)
+    });
+    let mut guarded = catalog::local(tables);
+    guarded.extend((counts != pg_sys::InvalidOid).then_some(counts));
+    for relid in filter::untrusted(&guarded) {
         repair_trigger(relid);
     }
 }
@@ -214,11 +230,11 @@ pub fn repair_triggers() {
 /// when expired marks have pushed the measured false-positive rate above target. Waits for no other transaction.
 pub fn look_after_filter() {
     let Some(region) = shmem::region() else { return };
-    if !filter::untrusted(&catalog::tables()).is_empty() {
+    if !filter::untrusted(&catalog::filtered_tables()).is_empty() {
         if let Some(done) = run(false) {
             if done.inboxes > 0 {
                 server_log!(
-                    "pg_dedup worker: loaded {} marks of {} inbox(es) into the Bloom filter",
+                    "pg_dedup worker: loaded {} keys of {} table(s) into the Bloom filter",
                     done.keys,
                     done.inboxes
                 );
@@ -267,7 +283,7 @@ fn repair_trigger(relid: pg_sys::Oid) {
         return;
     }
     let Some(table) = catalog::qualified_name(relid) else { return };
-    if trigger::repair(&table, state) {
+    if trigger::repair(&table, trigger::Key::of(relid), state) {
         server_log!(
             "pg_dedup worker: repaired the {} trigger of {table} (it was {}); reloading it",
             trigger::NAME,

@@ -124,11 +124,37 @@ pub unsafe fn is_guarding(t: &pg_sys::Trigger) -> bool {
     }
 }
 
-/// The statements that put a guarding trigger on `table` (schema-qualified and quoted).
-pub fn create_sql(table: &str) -> String {
+/// What the rows of a table the filter guards are known by in it.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Key {
+    /// An inbox table's rows: their `id` (column 1).
+    Id,
+    /// `dedup.attempt_counts`'s rows: their inbox and id (columns 1 and 2, `filter::attempt_key`), so that
+    /// `attempt()` of an id the table certainly lacks need not read it. Its trigger says so by its one argument.
+    InboxAndId,
+}
+
+impl Key {
+    /// How table `relid` (an inbox table, or `dedup.attempt_counts`) is keyed.
+    pub fn of(relid: pg_sys::Oid) -> Key {
+        if relid == catalog::dedup_relation(c"attempt_counts") {
+            Key::InboxAndId
+        } else {
+            Key::Id
+        }
+    }
+}
+
+/// The statements that put a guarding trigger on `table` (schema-qualified and quoted), keyed by `key`.
+/// sql/finalize.sql writes the one of `dedup.attempt_counts` again, for a new installation.
+pub fn create_sql(table: &str, key: Key) -> String {
+    let (columns, argument) = match key {
+        Key::Id => ("id", ""),
+        Key::InboxAndId => ("inbox, id", "'inbox_and_id'"),
+    };
     format!(
-        "CREATE TRIGGER {NAME} AFTER INSERT OR UPDATE OF id ON {table} \
-         FOR EACH ROW EXECUTE FUNCTION dedup.inbox_filter_trigger(); \
+        "CREATE TRIGGER {NAME} AFTER INSERT OR UPDATE OF {columns} ON {table} \
+         FOR EACH ROW EXECUTE FUNCTION dedup.inbox_filter_trigger({argument}); \
          ALTER TABLE {table} ENABLE ALWAYS TRIGGER {NAME}"
     )
 }
@@ -136,13 +162,15 @@ pub fn create_sql(table: &str) -> String {
 /// Puts the trigger of `table` right (re-created, or re-enabled always), without waiting for a lock longer than a
 /// moment: true when it was repaired, false when the table is busy (try again later). Runs as the caller (the
 /// background worker, a superuser).
-pub fn repair(table: &str, state: State) -> bool {
+pub fn repair(table: &str, key: Key, state: State) -> bool {
     let sql = match state {
         State::Guarding => return true,
         State::Disabled | State::OnOrigin | State::OnReplica => {
             format!("ALTER TABLE {table} ENABLE ALWAYS TRIGGER {NAME}")
         }
-        State::Missing | State::Before => format!("DROP TRIGGER IF EXISTS {NAME} ON {table}; {}", create_sql(table)),
+        State::Missing | State::Before => {
+            format!("DROP TRIGGER IF EXISTS {NAME} ON {table}; {}", create_sql(table, key))
+        }
     };
     crate::xact::unless_it_waits(|| {
         crate::guc::with_setting(c"lock_timeout", c"100ms", || {
@@ -152,18 +180,23 @@ pub fn repair(table: &str, state: State) -> bool {
     .is_some()
 }
 
-/// Row trigger on every inbox table (AFTER INSERT OR UPDATE OF id, ENABLE ALWAYS): puts `NEW.id` into the filter
-/// once the row is written, whoever writes it (mark(), INSERT, COPY, a restore, logical replication).
+/// Row trigger on every inbox table (AFTER INSERT OR UPDATE OF id, ENABLE ALWAYS) and on `dedup.attempt_counts`
+/// (OF inbox, id, with the argument `'inbox_and_id'`): puts the new row's key into the filter once the row is
+/// written, whoever writes it (mark(), the worker, INSERT, COPY, a restore, logical replication).
 #[pg_trigger]
 fn inbox_filter_trigger<'a>(
     trigger: &'a pgrx::PgTrigger<'a>,
 ) -> Result<Option<PgHeapTuple<'a, AllocatedByPostgres>>, pgrx::heap_tuple::PgHeapTupleError> {
     let new = trigger.new();
     if filter::is_preloaded() {
-        if let Some(tuple) = &new {
-            let id_column = std::num::NonZeroUsize::new(1).expect("1 is not zero");
-            if let (Ok(Some(id)), Ok(relid)) = (tuple.get_by_index::<&str>(id_column), trigger.relid()) {
-                filter::add(namespace(relid), &[id]);
+        if let (Some(tuple), Ok(relid)) = (&new, trigger.relid()) {
+            let column = |n: usize| tuple.get_by_index::<&str>(std::num::NonZeroUsize::new(n).expect("not zero"));
+            if trigger.trigger().tgnargs == 0 {
+                if let Ok(Some(id)) = column(1) {
+                    filter::add(namespace(relid), &[id]);
+                }
+            } else if let (Ok(Some(inbox)), Ok(Some(id))) = (column(1), column(2)) {
+                filter::add_keys(namespace(relid), &[filter::attempt_key(inbox.as_bytes(), id.as_bytes())]);
             }
         }
     }
@@ -181,7 +214,7 @@ fn watch_ddl(_fcinfo: pg_sys::FunctionCallInfo) {
     if !filter::is_preloaded() {
         return;
     }
-    for relid in catalog::tables() {
+    for relid in catalog::filtered_tables() {
         let state = State::of_table(relid);
         if state != State::Guarding && filter::untrust(namespace(relid)) {
             let table = catalog::qualified_name(relid).unwrap_or_default();
@@ -257,7 +290,7 @@ mod tests {
             "an inbox whose trigger is in origin mode is not loaded"
         );
         assert!(!trusted("tg_quiet"));
-        assert!(super::repair("dedup.inbox_tg_quiet", State::OnOrigin));
+        assert!(super::repair("dedup.inbox_tg_quiet", super::Key::Id, State::OnOrigin));
         assert_eq!(state("tg_quiet"), State::Guarding);
         crate::rebuild::run(false).expect("no other rebuild runs");
         assert!(trusted("tg_quiet"));
@@ -267,7 +300,7 @@ mod tests {
     #[pg_test]
     fn trigger_repair_re_creates_a_missing_or_before_trigger() {
         run("SELECT dedup.create_inbox('tg_repair'); DROP TRIGGER dedup_filter ON dedup.inbox_tg_repair");
-        assert!(super::repair("dedup.inbox_tg_repair", State::Missing));
+        assert!(super::repair("dedup.inbox_tg_repair", super::Key::Id, State::Missing));
         assert_eq!(state("tg_repair"), State::Guarding);
         run("ALTER TABLE dedup.inbox_tg_repair RENAME TO inbox_tg_renamed");
         assert_eq!(state("tg_renamed"), State::Guarding, "a trigger follows its table");

@@ -5,7 +5,7 @@
 
 use super::store::Durable;
 use crate::errors::internal;
-use crate::{catalog, ports};
+use crate::{catalog, filter, ports, shmem};
 use pgrx::prelude::*;
 
 /// What a scan of the row found.
@@ -73,10 +73,20 @@ fn with_row<R>(inbox: &str, id: &str, lock: u32, f: impl FnOnce(pg_sys::Relation
     }
 }
 
-/// The count of `id` in `inbox` as the worker last wrote it (None: none, or it lapsed before `now`).
+/// The row of `id` in `inbox` as the worker last wrote it (None: none; a count that lapsed before `now` is 0). Not
+/// read when the filter, which holds the key of every row of the table (`trigger::Key::InboxAndId`), says it has
+/// certainly never been written: the usual case, an attempt at a new id.
 pub fn read(inbox: &str, id: &str, now: i64) -> Option<Durable> {
+    let relid = catalog::dedup_relation(c"attempt_counts");
+    let filter = filter::Trusted::for_inbox(shmem::namespace(relid));
+    if filter.is_some_and(|f| !f.may_contain_key(&filter::attempt_key(inbox.as_bytes(), id.as_bytes()))) {
+        return None;
+    }
     with_row(inbox, id, pg_sys::AccessShareLock, |_, found| {
-        found.filter(|f| f.expires > now && f.count > 0).map(|f| Durable { count: f.count, first: f.first })
+        found.map(|f| match f.expires > now && f.count > 0 {
+            true => Durable { count: f.count, first: f.first },
+            false => Durable { count: 0, first: now },
+        })
     })
 }
 

@@ -176,7 +176,7 @@ pub fn create(name: &str, default_ttl: Interval) {
                      WITH (autovacuum_vacuum_scale_factor = 0.05, autovacuum_vacuum_insert_scale_factor = 0.05)"
                 ),
                 format!("CREATE INDEX ON {table} (expires_at)"),
-                trigger::create_sql(&table),
+                trigger::create_sql(&table, trigger::Key::Id),
             ];
             if caller != rights::extension_owner() && !rights::is_superuser(caller) {
                 statements.push(format!(
