@@ -35,6 +35,8 @@ pub fn store_size(max: usize) -> usize {
 statements! {
     /// $1 inboxes, $2 ids, $3 counts, $4 first, $5 last, $6 expires → writes the counts (a count of zero deletes).
     Write,
+    /// The same arguments → inserts rows of ids the table holds none of (no look for a conflicting row first).
+    Insert,
     /// $1 inbox, $2 now, $3 batch size → deletes up to that many lapsed counts.
     PurgeBatch,
 }
@@ -55,6 +57,11 @@ impl Stmt {
                    first_attempt = excluded.first_attempt, last_attempt = excluded.last_attempt, \
                    expires_at = excluded.expires_at"
             }
+            Stmt::Insert => {
+                "INSERT INTO dedup.attempt_counts SELECT * FROM ROWS FROM (pg_catalog.unnest($1), \
+                   pg_catalog.unnest($2), pg_catalog.unnest($3), pg_catalog.unnest($4), pg_catalog.unnest($5), \
+                   pg_catalog.unnest($6))"
+            }
             // Ordered, so the cached generic plan scans the (inbox, expires_at) index: see the inbox's purge.
             Stmt::PurgeBatch => {
                 "DELETE FROM dedup.attempt_counts WHERE ctid OPERATOR(pg_catalog.=) ANY (ARRAY(SELECT ctid \
@@ -67,7 +74,7 @@ impl Stmt {
     fn arg_types(self) -> Vec<PgOid> {
         use pgrx::pg_sys::BuiltinOid::*;
         let oids = match self {
-            Stmt::Write => vec![
+            Stmt::Write | Stmt::Insert => vec![
                 TEXTARRAYOID,
                 TEXTARRAYOID,
                 INT4ARRAYOID,
@@ -318,37 +325,54 @@ fn write_changed() -> Vec<store::Count> {
     let db = unsafe { pg_sys::MyDatabaseId };
     let changed = store.counts(db, true);
     let mut gone = Vec::new();
-    let mut written = Vec::new();
-    let mut inboxes = Vec::new();
+    // Each count with its inbox's name.
+    let mut rows = Vec::new();
     let mut looked_up = std::collections::HashMap::new();
     for count in changed {
         match looked_up.entry(count.ns).or_insert_with(|| inbox_to_write(count.ns)) {
-            Lookup::Inbox(inbox) => {
-                inboxes.push(inbox.clone());
-                written.push(count);
-            }
+            Lookup::Inbox(inbox) => rows.push((inbox.clone(), count)),
             Lookup::Gone => gone.push(count.ns),
             Lookup::Busy => {} // dirty still: the next round
         }
     }
-    if !written.is_empty() {
-        let at = |t: i64| TimestampWithTimeZone::try_from(t).expect("a timestamp the store kept");
-        let column = |f: fn(&store::Count) -> i64| written.iter().map(|c| at(f(c))).collect::<Vec<_>>();
-        let args = [
-            inboxes.into(),
-            written.iter().map(|c| c.id.clone()).collect::<Vec<_>>().into(),
-            written.iter().map(|c| c.count as i32).collect::<Vec<_>>().into(),
-            column(|c| c.first).into(),
-            column(|c| c.last).into(),
-            column(|c| c.expires).into(),
-        ];
-        run(Stmt::Write, &args);
+    // Rows of ids the table holds none of (the store knows them: `stored`) are inserted without a look for a
+    // conflicting row first, which ON CONFLICT's speculative insertion would cost about as much again. Should one be
+    // there anyway (written by hand), its chunk is undone and written the other way. In key order, the order the
+    // index pages are visited in, and in chunks whose arrays stay within work_mem.
+    let is_new = |c: &store::Count| !c.stored && c.count > 0;
+    rows.sort_unstable_by(|(a, x), (b, y)| (is_new(x), a, &x.id).cmp(&(is_new(y), b, &y.id)));
+    let first_new = rows.partition_point(|(_, c)| !is_new(c));
+    for chunk in rows[..first_new].chunks(WRITE_CHUNK) {
+        run(Stmt::Write, &write_args(chunk));
+    }
+    for chunk in rows[first_new..].chunks(WRITE_CHUNK) {
+        let args = write_args(chunk);
+        if xact::undo_on(PgSqlErrorCode::ERRCODE_UNIQUE_VIOLATION, || run(Stmt::Insert, &args)).is_none() {
+            run(Stmt::Write, &args);
+        }
     }
     if !gone.is_empty() {
         // SAFETY: reads the clock.
         store.sweep(db, unsafe { pg_sys::GetCurrentTimestamp() }, &gone);
     }
-    written
+    rows.into_iter().map(|(_, count)| count).collect()
+}
+
+/// Counts the worker writes per statement.
+const WRITE_CHUNK: usize = 4096;
+
+/// The arguments of `Stmt::Write` and `Stmt::Insert` for `rows` (each count with its inbox's name).
+fn write_args(rows: &[(String, store::Count)]) -> [pgrx::datum::DatumWithOid<'static>; 6] {
+    let at = |t: i64| TimestampWithTimeZone::try_from(t).expect("a timestamp the store kept");
+    let column = |f: fn(&store::Count) -> i64| rows.iter().map(|(_, c)| at(f(c))).collect::<Vec<_>>();
+    [
+        rows.iter().map(|(inbox, _)| inbox.clone()).collect::<Vec<_>>().into(),
+        rows.iter().map(|(_, c)| c.id.clone()).collect::<Vec<_>>().into(),
+        rows.iter().map(|(_, c)| c.count as i32).collect::<Vec<_>>().into(),
+        column(|c| c.first).into(),
+        column(|c| c.last).into(),
+        column(|c| c.expires).into(),
+    ]
 }
 
 /// What the worker found of the inbox whose key is `ns`.

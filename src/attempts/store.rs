@@ -25,6 +25,8 @@ const EMPTY: u64 = 0;
 const FREED: u64 = u64::MAX;
 /// Slots the worker's passes look at per taking of the lock.
 const PASS_CHUNK: usize = 1024;
+/// Turns a process waiting for the lock spins before it yields the CPU.
+const SPINS: u32 = 200;
 
 /// The index cell of slot `n` whose id hashes to `hash`: the slot's number plus one in the low half (never 0, and
 /// never all ones, since there are fewer than 2^32 - 1 slots), the hash's high half above it.
@@ -51,6 +53,8 @@ struct Head {
     last: i64,
     /// When the count lapses: the inbox's default TTL after the last attempt.
     expires: i64,
+    /// The durable table may hold a row of this id (false: certainly not, so the worker inserts it without looking).
+    stored: bool,
     id_len: u32,
 }
 
@@ -63,9 +67,12 @@ pub struct Count {
     pub first: i64,
     pub last: i64,
     pub expires: i64,
+    /// As `Head::stored`.
+    pub stored: bool,
 }
 
-/// An id's count as the durable table holds it (what `bump` starts from when the store has no slot for the id).
+/// An id's row in the durable table (what `bump` starts from when the store has no slot for the id); a row whose
+/// count lapsed is one of count 0.
 #[derive(Clone, Copy)]
 pub struct Durable {
     pub count: u32,
@@ -166,9 +173,18 @@ impl Store {
 
     fn lock(&self) -> Locked<'_> {
         let lock = &self.header().lock;
+        let mut spins = 0;
         while lock.compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed).is_err() {
-            std::hint::spin_loop();
-            std::thread::yield_now();
+            // The holder keeps it for a probe and a few stores: spin on a plain read a while, then give the CPU
+            // away (on a busy machine the holder may be waiting for it).
+            while lock.load(Ordering::Relaxed) {
+                if spins < SPINS {
+                    spins += 1;
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::yield_now();
+                }
+            }
         }
         Locked(self)
     }
@@ -268,8 +284,8 @@ impl Store {
         self.header().evictions.load(Ordering::Acquire)
     }
 
-    /// Counts one more attempt of `id`, starting from `durable` (its count in the durable table, read after
-    /// `evictions()` returned `seen`). Ok(None) when that reading may be stale (a slot was freed since: read again);
+    /// Counts one more attempt of `id`, starting from `durable` (its row in the durable table, None if it has none,
+    /// read after `evictions()` returned `seen`). Ok(None) when that reading may be stale (a slot was freed since: read again);
     /// Err(Full) when there is no slot to take.
     pub fn bump_new(
         &self,
@@ -293,6 +309,7 @@ impl Store {
         }
         let n = self.take_slot(&locked, bytes.len()).ok_or(Full)?;
         let (head, slot_id) = self.slot(&locked, n);
+        let stored = durable.is_some();
         let durable = durable.unwrap_or(Durable { count: 0, first: now });
         let count = bump(durable.count);
         *head = Head {
@@ -304,6 +321,7 @@ impl Store {
             first: durable.first,
             last: now,
             expires,
+            stored,
             id_len: bytes.len() as u32,
         };
         slot_id[..bytes.len()].copy_from_slice(bytes);
@@ -392,6 +410,7 @@ impl Store {
                     first: head.first,
                     last: head.last,
                     expires: head.expires,
+                    stored: head.stored,
                 });
             }
         });
@@ -411,15 +430,19 @@ impl Store {
         }
     }
 
-    /// The worker wrote `written`: each slot that still counts what was written is clean.
+    /// The worker wrote `written`: each slot that still counts what was written is clean, and each id written with
+    /// a count has its row. The lock is taken for `PASS_CHUNK` counts at a time.
     pub fn written(&self, written: &[Count]) {
-        let locked = self.lock();
-        for w in written {
-            let bytes = w.id.as_bytes();
-            if let Some((_, n)) = self.find(&locked, w.ns, hash(w.ns, bytes), bytes) {
-                let (head, _) = self.slot(&locked, n);
-                if head.count == w.count && head.first == w.first {
-                    head.flushed = w.count;
+        for chunk in written.chunks(PASS_CHUNK) {
+            let locked = self.lock();
+            for w in chunk {
+                let bytes = w.id.as_bytes();
+                if let Some((_, n)) = self.find(&locked, w.ns, hash(w.ns, bytes), bytes) {
+                    let (head, _) = self.slot(&locked, n);
+                    head.stored |= w.count > 0;
+                    if head.count == w.count && head.first == w.first {
+                        head.flushed = w.count;
+                    }
                 }
             }
         }
@@ -445,6 +468,7 @@ impl Store {
                     first: now,
                     last: now,
                     expires: now,
+                    stored: true,
                     id_len: bytes.len() as u32,
                 };
                 slot_id[..bytes.len()].copy_from_slice(bytes);
