@@ -118,6 +118,15 @@ pub fn scenarios(c: &mut Client, pgbench: &Pgbench, cluster_dir: &Path, scale: &
         ))
         .unwrap();
     }
+    // The same pool again as UUIDs (`uuid_dup`): ids a batch draws at random places of the index.
+    for table in ["dedup.inbox_default", "bench_raw", EXPERT] {
+        c.batch_execute(&format!(
+            "INSERT INTO {table} (id, expires_at) SELECT {}, now() + interval '30 days' FROM generate_series(1, {}) g",
+            uuid_dup("g"),
+            scale.duplicate_ids
+        ))
+        .unwrap();
+    }
     settle(c, &["dedup.inbox_default", "bench_raw", EXPERT]);
     let redis = crate::redis::version().map(|_| [Redis::start(Durability::None), Redis::start(Durability::Fsync)]);
     if redis.is_none() {
@@ -242,8 +251,14 @@ fn duplicates(b: &mut Bench) -> (Vec<Row>, Option<Row>) {
     (rows, wal)
 }
 
+/// Duplicate `n` of the pool as a UUID's text (random order in the index, as real message ids are).
+fn uuid_dup(n: &str) -> String {
+    format!("md5('dup-' || {n})::uuid::text")
+}
+
 /// (c) Batches of 1,000 ids per transaction, sync off: mark_many() against INSERT ... SELECT FROM unnest(), for
-/// new ids and for ids that are all duplicates (a redelivered batch).
+/// new ids and for ids that are all duplicates (a redelivered batch): consecutive ones, and UUIDs spread over the
+/// index.
 fn batches(b: &mut Bench) -> Vec<Row> {
     let batch = |ids: &str| {
         let mark_many = format!("SELECT count(*) FROM dedup.mark_many({ids}, interval '3 days');\n");
@@ -256,6 +271,7 @@ fn batches(b: &mut Bench) -> Vec<Row> {
     let new = batch("array(SELECT 'evt-' || :r || '-' || g FROM generate_series(1, 1000) g)");
     // 1,000 consecutive ids of the pool both tables hold.
     let dup = batch("array(SELECT 'dup-' || (:p + g) FROM generate_series(1, 1000) g)");
+    let uuid = batch(&format!("array(SELECT {} FROM generate_series(1, 1000) g)", uuid_dup("(:p + g)")));
     let new_key = "\\set r random(1, 1000000000000000)\n";
     let dup_key = format!("\\set p random(0, {})\n", b.scale.duplicate_ids - 1000);
     let sides = [
@@ -263,6 +279,8 @@ fn batches(b: &mut Bench) -> Vec<Row> {
         Side::Sql { script: b.pgbench.script("unnest", &format!("{new_key}{}", new.1)), ids: 1000 },
         Side::Sql { script: b.pgbench.script("mark_many_dup", &format!("{dup_key}{}", dup.0)), ids: 1000 },
         Side::Sql { script: b.pgbench.script("unnest_dup", &format!("{dup_key}{}", dup.1)), ids: 1000 },
+        Side::Sql { script: b.pgbench.script("mark_many_uuid", &format!("{dup_key}{}", uuid.0)), ids: 1000 },
+        Side::Sql { script: b.pgbench.script("unnest_uuid", &format!("{dup_key}{}", uuid.1)), ids: 1000 },
     ];
     let mut rows = Vec::new();
     for &clients in &b.scale.clients_batches {
@@ -286,6 +304,15 @@ fn batches(b: &mut Bench) -> Vec<Row> {
                 "ids/s",
             )
             .goal(Goal::AtLeast(2.0)),
+        );
+        rows.push(
+            row(
+                format!("mark_many() of 1,000 duplicate UUIDs (random ids) per tx, {at}"),
+                ("mark_many", &m[4]),
+                ("unnest insert", &m[5]),
+                "ids/s",
+            )
+            .goal(Goal::AtLeast(1.3)),
         );
     }
     rows
