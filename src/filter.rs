@@ -14,8 +14,11 @@
 //!   trusting it the moment DDL changes that). After a restart or crash the memory is new and nothing is trusted:
 //!   every call goes to the index until the background worker (or `dedup.bloom_rebuild()`) has loaded the inbox. A
 //!   hot standby never trusts the filter (its rows arrive by WAL replay, past the trigger).
-//! - Loads read the table with a dirty snapshot: every row physically there that is committed or still in
-//!   progress (prepared transactions included, which a restart does not end), whatever the caller's snapshot.
+//! - Loads read every row version physically in the table: committed ones, those still in progress (prepared
+//!   transactions included, which a restart does not end), and those deleted or updated since the load's snapshot
+//!   (an UPDATE that does not fire the trigger may move a row behind the scan), whatever the caller's snapshot.
+//! - `dedup.attempt_counts` is guarded the same way, its rows keyed by inbox and id (`attempt_key`): an attempt at
+//!   an id the filter says the table certainly lacks does not read the table.
 //! - Expiry: marks expire but bits cannot be removed. When the active generation's measured false-positive rate
 //!   drifts above target, a rotation clears the other generation, reloads every inbox of the database into it, and
 //!   makes it active. It waits for nobody: a row written before the clear is in the table when the load reads it,

@@ -91,10 +91,14 @@ fn load_inbox(guard: &RebuildGuard, target: usize, relid: pg_sys::Oid) -> Result
     }
 }
 
-/// Reads every row of `rel` with a dirty snapshot — committed rows and those of transactions still in progress,
-/// prepared ones included, whatever this transaction's own snapshot — and hands the hashes of their keys (`key`) to
-/// `load` in batches. Straight from the heap: no SQL runs, so nothing an owner attached to the table runs either.
-/// Returns how many rows it read.
+/// Reads every row version of `rel` that is physically there — not only the committed rows and those of
+/// transactions still in progress (prepared ones included), but also versions deleted or updated since this
+/// transaction's snapshot was taken, which no one may prune while it is held — and hands the hashes of their keys
+/// (`key`) to `load` in batches. The dead versions are what makes a load safe against an UPDATE that does not fire
+/// the trigger (a renewal sets `expires_at`, the worker rewrites a count): its new version may land on a page the
+/// scan has passed, and its old one die before the scan gets there; the old version is still read. Straight from
+/// the heap: no SQL runs, so nothing an owner attached to the table runs either. Returns how many rows it read that
+/// are live or in progress (a dirty snapshot's view), the figure logs and `bloom_rebuild()` report.
 ///
 /// # Safety
 /// `rel` must be an open table the filter guards, keyed as `key` says.
@@ -103,8 +107,10 @@ unsafe fn scan_keys(rel: pg_sys::Relation, key: trigger::Key, mut load: impl FnM
     // and each id is detoasted into that context, which is reset only once its hash is taken.
     unsafe {
         let ns = namespace((*rel).rd_id);
-        let mut snapshot: pg_sys::SnapshotData = std::mem::zeroed();
-        snapshot.snapshot_type = pg_sys::SnapshotType::SNAPSHOT_DIRTY;
+        let mut any: pg_sys::SnapshotData = std::mem::zeroed();
+        any.snapshot_type = pg_sys::SnapshotType::SNAPSHOT_ANY;
+        let mut dirty: pg_sys::SnapshotData = std::mem::zeroed();
+        dirty.snapshot_type = pg_sys::SnapshotType::SNAPSHOT_DIRTY;
         // Detoasted ids (a long one can be compressed) live here, freed every batch.
         let memory = pg_sys::AllocSetContextCreateExtended(
             pg_sys::CurrentMemoryContext,
@@ -113,7 +119,7 @@ unsafe fn scan_keys(rel: pg_sys::Relation, key: trigger::Key, mut load: impl FnM
             pg_sys::ALLOCSET_DEFAULT_INITSIZE as usize,
             pg_sys::ALLOCSET_DEFAULT_MAXSIZE as usize,
         );
-        let scan = pg_sys::table_beginscan(rel, &mut snapshot, 0, std::ptr::null_mut());
+        let scan = pg_sys::table_beginscan(rel, &mut any, 0, std::ptr::null_mut());
         let slot = pg_sys::table_slot_create(rel, std::ptr::null_mut());
         let mut hashes = Vec::with_capacity(BATCH);
         let mut rows = 0i64;
@@ -137,7 +143,7 @@ unsafe fn scan_keys(rel: pg_sys::Relation, key: trigger::Key, mut load: impl FnM
                 pg_sys::MemoryContextSwitchTo(caller);
                 if let Some(hash) = hash {
                     hashes.push(hash);
-                    rows += 1;
+                    rows += i64::from(live(slot, &mut dirty));
                 }
             }
             if hashes.len() == BATCH || (!more && !hashes.is_empty()) {
@@ -154,6 +160,27 @@ unsafe fn scan_keys(rel: pg_sys::Relation, key: trigger::Key, mut load: impl FnM
         pg_sys::table_endscan(scan);
         pg_sys::MemoryContextDelete(memory);
         rows
+    }
+}
+
+/// Is the row version in `slot`, read by a scan of its heap table, one a dirty snapshot sees (committed and not
+/// deleted, or of a transaction in progress)? A slot of another table access method counts as live.
+///
+/// # Safety
+/// `slot` must hold a version just returned by a table scan of an open table; `dirty` must be a dirty snapshot.
+unsafe fn live(slot: *mut pg_sys::TupleTableSlot, dirty: &mut pg_sys::SnapshotData) -> bool {
+    // SAFETY: a slot of the buffer-heap kind is a BufferHeapTupleTableSlot holding a pin on its tuple's buffer; the
+    // visibility check is made under a share lock on that buffer, as the heap's own scans make it.
+    unsafe {
+        if !std::ptr::eq((*slot).tts_ops, &pg_sys::TTSOpsBufferHeapTuple) {
+            return true;
+        }
+        let heap = slot as *mut pg_sys::BufferHeapTupleTableSlot;
+        let buffer = (*heap).buffer;
+        pg_sys::LockBuffer(buffer, pg_sys::BUFFER_LOCK_SHARE as i32);
+        let visible = pg_sys::HeapTupleSatisfiesVisibility((*heap).base.tuple, dirty, buffer);
+        pg_sys::LockBuffer(buffer, pg_sys::BUFFER_LOCK_UNLOCK as i32);
+        visible
     }
 }
 

@@ -1,14 +1,18 @@
-//! The `dedup_filter` trigger on every inbox table: whatever writes a row through SQL (mark()'s executor path,
-//! INSERT, COPY, a restore, logical replication) puts its id into the filter, right after the row is written.
+//! The `dedup_filter` trigger on every inbox table, and on `dedup.attempt_counts`: whatever writes a row through
+//! SQL (mark()'s executor path, the worker's counts, INSERT, COPY, a restore, logical replication) puts its key into
+//! the filter, right after the row is written. An inbox's rows are keyed by id; the counts' by inbox and id (`Key`,
+//! which the trigger's one argument says).
 //!
-//! It is an AFTER INSERT OR UPDATE OF id row trigger, `ENABLE ALWAYS` (so it fires for COPY, restores and logical
-//! replication too). AFTER, because:
+//! It is an AFTER INSERT OR UPDATE OF id (of inbox, id) row trigger, `ENABLE ALWAYS` (so it fires for COPY, restores
+//! and logical replication too). AFTER, because:
 //! - it hashes the id as stored, after any BEFORE trigger an owner added has rewritten it;
-//! - the row exists before its bits are set. A filter rotation clears a generation and then scans every table with
-//!   a dirty snapshot (rows of transactions still in progress included): a row written before the clear is seen
-//!   by the scan, a row written after it sets its bits after it. No rotation needs to wait for anyone.
+//! - the row exists before its bits are set. A filter rotation clears a generation and then scans every table,
+//!   every row version physically there (rows of transactions still in progress, and versions updated since the
+//!   scan's snapshot, included: rebuild.rs): a row written before the clear is seen by the scan, a row written after
+//!   it sets its bits after it. No rotation needs to wait for anyone.
 //!
-//! The filter may trust an inbox only while this trigger is in place, enabled always and AFTER (`State::Guarding`).
+//! The filter may trust a table only while this trigger is in place, enabled always, AFTER and keyed as the table
+//! is (`State::Guarding`).
 //! Every DDL command that can change that (ALTER TABLE, CREATE/DROP/ALTER TRIGGER) ends with `watch_ddl`, an event
 //! trigger that stops trusting any inbox whose trigger is no longer guarding, at once, inside the very transaction
 //! that changed it: rows that transaction writes without the trigger can then never be missed. The background worker
@@ -37,6 +41,9 @@ pub enum State {
     /// A BEFORE trigger (as pg_dedup 0.2.0 made it, e.g. restored from its dump): its bits are set before the row
     /// exists, which a rotation that does not wait cannot rely on.
     Before,
+    /// It keys the rows otherwise than the table's `Key` (its argument is not the table's): the loads and the
+    /// trigger would disagree on what a row's key is.
+    WrongKey,
 }
 
 impl State {
@@ -49,6 +56,7 @@ impl State {
             State::OnOrigin => "enabled on origin only",
             State::OnReplica => "enabled on replica only",
             State::Before => "fires before the row is written",
+            State::WrongKey => "keyed by the wrong columns",
         }
     }
 
@@ -72,6 +80,7 @@ impl State {
                 && kind & pg_sys::TRIGGER_TYPE_UPDATE != 0;
             match ours.tgenabled as u8 {
                 _ if !row_after_insert_update => State::Before,
+                _ if Key::of_trigger(ours) != Some(Key::of((*rel).rd_id)) => State::WrongKey,
                 pg_sys::TRIGGER_FIRES_ALWAYS => State::Guarding,
                 pg_sys::TRIGGER_FIRES_ON_ORIGIN => State::OnOrigin,
                 pg_sys::TRIGGER_FIRES_ON_REPLICA => State::OnReplica,
@@ -124,6 +133,9 @@ pub unsafe fn is_guarding(t: &pg_sys::Trigger) -> bool {
     }
 }
 
+/// The argument of the filter trigger of `dedup.attempt_counts`.
+const INBOX_AND_ID: &str = "inbox_and_id";
+
 /// What the rows of a table the filter guards are known by in it.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum Key {
@@ -135,6 +147,21 @@ pub enum Key {
 }
 
 impl Key {
+    /// How a filter trigger keys the rows, by its argument (None: an argument it does not know).
+    ///
+    /// # Safety
+    /// `t` must be a trigger of an open relation's trigger descriptor.
+    pub unsafe fn of_trigger(t: &pg_sys::Trigger) -> Option<Key> {
+        // SAFETY: the caller vouches for the trigger; its tgnargs arguments are NUL-terminated strings.
+        unsafe {
+            match t.tgnargs {
+                0 => Some(Key::Id),
+                1 if std::ffi::CStr::from_ptr(*t.tgargs).to_bytes() == INBOX_AND_ID.as_bytes() => Some(Key::InboxAndId),
+                _ => None,
+            }
+        }
+    }
+
     /// How table `relid` (an inbox table, or `dedup.attempt_counts`) is keyed.
     pub fn of(relid: pg_sys::Oid) -> Key {
         if relid == catalog::dedup_relation(c"attempt_counts") {
@@ -149,8 +176,8 @@ impl Key {
 /// sql/finalize.sql writes the one of `dedup.attempt_counts` again, for a new installation.
 pub fn create_sql(table: &str, key: Key) -> String {
     let (columns, argument) = match key {
-        Key::Id => ("id", ""),
-        Key::InboxAndId => ("inbox, id", "'inbox_and_id'"),
+        Key::Id => ("id", String::new()),
+        Key::InboxAndId => ("inbox, id", format!("'{INBOX_AND_ID}'")),
     };
     format!(
         "CREATE TRIGGER {NAME} AFTER INSERT OR UPDATE OF {columns} ON {table} \
@@ -168,7 +195,7 @@ pub fn repair(table: &str, key: Key, state: State) -> bool {
         State::Disabled | State::OnOrigin | State::OnReplica => {
             format!("ALTER TABLE {table} ENABLE ALWAYS TRIGGER {NAME}")
         }
-        State::Missing | State::Before => {
+        State::Missing | State::Before | State::WrongKey => {
             format!("DROP TRIGGER IF EXISTS {NAME} ON {table}; {}", create_sql(table, key))
         }
     };
@@ -191,12 +218,20 @@ fn inbox_filter_trigger<'a>(
     if filter::is_preloaded() {
         if let (Some(tuple), Ok(relid)) = (&new, trigger.relid()) {
             let column = |n: usize| tuple.get_by_index::<&str>(std::num::NonZeroUsize::new(n).expect("not zero"));
-            if trigger.trigger().tgnargs == 0 {
-                if let Ok(Some(id)) = column(1) {
-                    filter::add(namespace(relid), &[id]);
+            // SAFETY: the trigger of the firing event, from its trigger data.
+            match unsafe { Key::of_trigger(trigger.trigger()) } {
+                Some(Key::Id) => {
+                    if let Ok(Some(id)) = column(1) {
+                        filter::add(namespace(relid), &[id]);
+                    }
                 }
-            } else if let (Ok(Some(inbox)), Ok(Some(id))) = (column(1), column(2)) {
-                filter::add_keys(namespace(relid), &[filter::attempt_key(inbox.as_bytes(), id.as_bytes())]);
+                Some(Key::InboxAndId) => {
+                    if let (Ok(Some(inbox)), Ok(Some(id))) = (column(1), column(2)) {
+                        filter::add_keys(namespace(relid), &[filter::attempt_key(inbox.as_bytes(), id.as_bytes())]);
+                    }
+                }
+                // Not the table's key (State::WrongKey): the filter does not answer for the table.
+                None => {}
             }
         }
     }
@@ -262,6 +297,27 @@ mod tests {
                FOR EACH ROW EXECUTE FUNCTION dedup.inbox_filter_trigger();
              ALTER TABLE dedup.inbox_tg_states ENABLE ALWAYS TRIGGER dedup_filter");
         assert_eq!(state("tg_states"), State::Before, "as pg_dedup 0.2.0 made it");
+    }
+
+    #[pg_test]
+    fn trigger_keyed_otherwise_than_its_table_is_not_guarding_and_is_repaired() {
+        let counts = || State::of_table(one::<pg_sys::Oid>("SELECT 'dedup.attempt_counts'::regclass::oid"));
+        assert_eq!(counts(), State::Guarding);
+        // An inbox's trigger copied onto the counts' table would key their rows by id alone.
+        run("DROP TRIGGER dedup_filter ON dedup.attempt_counts;
+             CREATE TRIGGER dedup_filter AFTER INSERT OR UPDATE OF id ON dedup.attempt_counts
+               FOR EACH ROW EXECUTE FUNCTION dedup.inbox_filter_trigger();
+             ALTER TABLE dedup.attempt_counts ENABLE ALWAYS TRIGGER dedup_filter");
+        assert_eq!(counts(), State::WrongKey);
+        assert!(super::repair("dedup.attempt_counts", super::Key::InboxAndId, State::WrongKey));
+        assert_eq!(counts(), State::Guarding);
+        run("SELECT dedup.create_inbox('tg_key');
+             DROP TRIGGER dedup_filter ON dedup.inbox_tg_key;
+             CREATE TRIGGER dedup_filter AFTER INSERT OR UPDATE OF id ON dedup.inbox_tg_key
+               FOR EACH ROW EXECUTE FUNCTION dedup.inbox_filter_trigger('something');
+             ALTER TABLE dedup.inbox_tg_key ENABLE ALWAYS TRIGGER dedup_filter");
+        assert_eq!(state("tg_key"), State::WrongKey);
+        assert!(!trusted("tg_key"), "the event trigger stopped trusting it");
     }
 
     #[pg_test]

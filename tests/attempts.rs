@@ -352,8 +352,9 @@ fn rows_written_to_the_table_by_hand_are_never_missed_by_the_filter() {
     // there must reach the filter, or stop it answering for the table.
     let mut c = server().fresh_db("att_filter");
     wait_for_worker(&mut c);
-    // Loads every table the filter guards into a fresh generation, and trusts them: from here on it answers.
-    c.batch_execute("SELECT dedup.bloom_rebuild()").unwrap();
+    // Loads every table the filter guards into a fresh generation, and trusts them: from here on it answers. (The
+    // worker may be loading them right now: then the rebuild is refused, 55006, and tried again.)
+    eventually("a rebuild runs", || c.batch_execute("SELECT dedup.bloom_rebuild()").is_ok());
     let by_hand = |c: &mut Client, id: &str, n: i32| {
         c.execute(
             "INSERT INTO dedup.attempt_counts VALUES ('default', $1, $2, now(), now(), now() + interval '1 day')",

@@ -16,12 +16,24 @@ struct Found {
     expires: i64,
 }
 
-/// Runs `f` over the row of (`inbox`, `id`), if there is one, with the table open in `lock` mode.
-fn with_row<R>(inbox: &str, id: &str, lock: u32, f: impl FnOnce(pg_sys::Relation, Option<Found>) -> R) -> R {
+/// `dedup.attempt_counts`.
+fn table() -> pg_sys::Oid {
     let relid = catalog::dedup_relation(c"attempt_counts");
     if relid == pg_sys::InvalidOid {
         internal("reading dedup.attempt_counts", "it is missing");
     }
+    relid
+}
+
+/// Runs `f` over the row of (`inbox`, `id`) of table `relid` (`table()`), if there is one, with the table open in
+/// `lock` mode.
+fn with_row<R>(
+    relid: pg_sys::Oid,
+    inbox: &str,
+    id: &str,
+    lock: u32,
+    f: impl FnOnce(pg_sys::Relation, Option<Found>) -> R,
+) -> R {
     let text = |s: &str| {
         // SAFETY: copies the bytes into a new varlena in the current memory context.
         pg_sys::Datum::from(unsafe {
@@ -77,12 +89,12 @@ fn with_row<R>(inbox: &str, id: &str, lock: u32, f: impl FnOnce(pg_sys::Relation
 /// read when the filter, which holds the key of every row of the table (`trigger::Key::InboxAndId`), says it has
 /// certainly never been written: the usual case, an attempt at a new id.
 pub fn read(inbox: &str, id: &str, now: i64) -> Option<Durable> {
-    let relid = catalog::dedup_relation(c"attempt_counts");
+    let relid = table();
     let filter = filter::Trusted::for_inbox(shmem::namespace(relid));
     if filter.is_some_and(|f| !f.may_contain_key(&filter::attempt_key(inbox.as_bytes(), id.as_bytes()))) {
         return None;
     }
-    with_row(inbox, id, pg_sys::AccessShareLock, |_, found| {
+    with_row(relid, inbox, id, pg_sys::AccessShareLock, |_, found| {
         found.map(|f| match f.expires > now && f.count > 0 {
             true => Durable { count: f.count, first: f.first },
             false => Durable { count: 0, first: now },
@@ -94,7 +106,7 @@ pub fn read(inbox: &str, id: &str, now: i64) -> Option<Durable> {
 /// same row to finish, and deleting what it wrote.
 pub fn delete(inbox: &str, id: &str) {
     for _ in 0..crate::mark::MAX_ROUNDS {
-        let done = with_row(inbox, id, pg_sys::RowExclusiveLock, |rel, found| {
+        let done = with_row(table(), inbox, id, pg_sys::RowExclusiveLock, |rel, found| {
             let Some(mut found) = found else { return true };
             // SAFETY: the table is open and locked for writing; the delete goes through its access method, which
             // waits for a transaction holding the row and says what became of it.

@@ -337,8 +337,8 @@ fn write_changed() -> Vec<store::Count> {
     }
     // Rows of ids the table holds none of (the store knows them: `stored`) are inserted without a look for a
     // conflicting row first, which ON CONFLICT's speculative insertion would cost about as much again. Should one be
-    // there anyway (written by hand), its chunk is undone and written the other way. In key order, the order the
-    // index pages are visited in, and in chunks whose arrays stay within work_mem.
+    // there anyway (written by hand), its chunk is undone and written the other way. Sorted by inbox and id, bytewise
+    // (the ids' order in the primary key), in chunks small enough for the statement's arrays to stay in memory.
     let is_new = |c: &store::Count| !c.stored && c.count > 0;
     rows.sort_unstable_by(|(a, x), (b, y)| (is_new(x), a, &x.id).cmp(&(is_new(y), b, &y.id)));
     let first_new = rows.partition_point(|(_, c)| !is_new(c));
@@ -347,7 +347,10 @@ fn write_changed() -> Vec<store::Count> {
     }
     for chunk in rows[first_new..].chunks(WRITE_CHUNK) {
         let args = write_args(chunk);
-        if xact::undo_on(PgSqlErrorCode::ERRCODE_UNIQUE_VIOLATION, || run(Stmt::Insert, &args)).is_none() {
+        // Each insert is a subtransaction: past the backend's cache of their ids, the rest go the other way.
+        let inserted = xact::has_room()
+            && xact::undo_on(PgSqlErrorCode::ERRCODE_UNIQUE_VIOLATION, || run(Stmt::Insert, &args)).is_some();
+        if !inserted {
             run(Stmt::Write, &args);
         }
     }

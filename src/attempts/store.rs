@@ -53,7 +53,9 @@ struct Head {
     last: i64,
     /// When the count lapses: the inbox's default TTL after the last attempt.
     expires: i64,
-    /// The durable table may hold a row of this id (false: certainly not, so the worker inserts it without looking).
+    /// The durable table may hold a row of this id. False when it held none when the slot was taken and the worker
+    /// has not written one since: the worker then inserts it without looking first (a row written by hand meanwhile
+    /// makes that insert fail, and the worker writes it the other way).
     stored: bool,
     id_len: u32,
 }
