@@ -78,11 +78,20 @@ pub fn tables() -> Vec<pg_sys::Oid> {
     local(inbox_tables())
 }
 
-/// The tables whose rows the filter holds: `tables()`, and `dedup.attempt_counts` (keyed by inbox and id,
-/// `trigger::Key`), which lets `attempt()` of an id it certainly lacks skip reading it.
+/// `dedup.attempt_counts` (InvalidOid while it is missing).
+pub fn attempt_counts() -> pg_sys::Oid {
+    dedup_relation(c"attempt_counts")
+}
+
+/// The tables whose rows the filter holds: `tables()`, and `dedup.attempt_counts` (`with_attempt_counts`).
 pub fn filtered_tables() -> Vec<pg_sys::Oid> {
-    let mut tables = tables();
-    let counts = dedup_relation(c"attempt_counts");
+    with_attempt_counts(tables())
+}
+
+/// `tables` and `dedup.attempt_counts`, which the filter guards like an inbox table (keyed by inbox and id,
+/// `trigger::Key`), so that `attempt()` of an id it certainly lacks skips reading it.
+pub fn with_attempt_counts(mut tables: Vec<pg_sys::Oid>) -> Vec<pg_sys::Oid> {
+    let counts = attempt_counts();
     if counts != pg_sys::InvalidOid {
         tables.push(counts);
     }

@@ -238,17 +238,12 @@ thread_local! {
 pub fn repair_triggers() {
     let Some(region) = shmem::region() else { return };
     let tables = catalog::inbox_tables();
-    let counts = catalog::dedup_relation(c"attempt_counts");
     // SAFETY: reads a backend global, set once connected.
     let database = unsafe { pg_sys::MyDatabaseId };
     // Distributed inboxes keep theirs: their counters count the calls made here.
-    region.free_entries(|ns| {
-        let relid = shmem::relation_of(ns);
-        shmem::database_of(ns) == database && relid != counts && !tables.contains(&relid)
-    });
-    let mut guarded = catalog::local(tables);
-    guarded.extend((counts != pg_sys::InvalidOid).then_some(counts));
-    for relid in filter::untrusted(&guarded) {
+    let kept = catalog::with_attempt_counts(tables.clone());
+    region.free_entries(|ns| shmem::database_of(ns) == database && !kept.contains(&shmem::relation_of(ns)));
+    for relid in filter::untrusted(&catalog::with_attempt_counts(catalog::local(tables))) {
         repair_trigger(relid);
     }
 }

@@ -164,7 +164,7 @@ impl Key {
 
     /// How table `relid` (an inbox table, or `dedup.attempt_counts`) is keyed.
     pub fn of(relid: pg_sys::Oid) -> Key {
-        if relid == catalog::dedup_relation(c"attempt_counts") {
+        if relid == catalog::attempt_counts() {
             Key::InboxAndId
         } else {
             Key::Id

@@ -18,7 +18,7 @@ struct Found {
 
 /// `dedup.attempt_counts`.
 fn table() -> pg_sys::Oid {
-    let relid = catalog::dedup_relation(c"attempt_counts");
+    let relid = catalog::attempt_counts();
     if relid == pg_sys::InvalidOid {
         internal("reading dedup.attempt_counts", "it is missing");
     }

@@ -41,27 +41,32 @@ statements! {
     PurgeBatch,
 }
 
+/// The rows `Stmt::Write` and `Stmt::Insert` write, from their six array arguments (`write_args`).
+macro_rules! counts_from_arrays {
+    () => {
+        "SELECT * FROM ROWS FROM (pg_catalog.unnest($1), pg_catalog.unnest($2), pg_catalog.unnest($3), \
+         pg_catalog.unnest($4), pg_catalog.unnest($5), pg_catalog.unnest($6)) \
+         AS w(inbox, id, attempts, first_attempt, last_attempt, expires_at)"
+    };
+}
+
 impl Stmt {
     fn sql(self) -> &'static str {
         match self {
-            Stmt::Write => {
-                "WITH w AS (SELECT * FROM ROWS FROM (pg_catalog.unnest($1), pg_catalog.unnest($2), \
-                              pg_catalog.unnest($3), pg_catalog.unnest($4), pg_catalog.unnest($5), \
-                              pg_catalog.unnest($6)) AS w(inbox, id, attempts, first_attempt, last_attempt, expires_at)), \
-                      gone AS (DELETE FROM dedup.attempt_counts a USING w \
-                                WHERE w.attempts OPERATOR(pg_catalog.=) 0 AND a.inbox OPERATOR(pg_catalog.=) w.inbox \
-                                  AND a.id OPERATOR(pg_catalog.=) w.id) \
+            Stmt::Write => concat!(
+                "WITH w AS (",
+                counts_from_arrays!(),
+                "), \
+                 gone AS (DELETE FROM dedup.attempt_counts a USING w \
+                           WHERE w.attempts OPERATOR(pg_catalog.=) 0 AND a.inbox OPERATOR(pg_catalog.=) w.inbox \
+                             AND a.id OPERATOR(pg_catalog.=) w.id) \
                  INSERT INTO dedup.attempt_counts AS a \
                  SELECT * FROM w WHERE w.attempts OPERATOR(pg_catalog.>) 0 \
                  ON CONFLICT (inbox, id) DO UPDATE SET attempts = excluded.attempts, \
                    first_attempt = excluded.first_attempt, last_attempt = excluded.last_attempt, \
                    expires_at = excluded.expires_at"
-            }
-            Stmt::Insert => {
-                "INSERT INTO dedup.attempt_counts SELECT * FROM ROWS FROM (pg_catalog.unnest($1), \
-                   pg_catalog.unnest($2), pg_catalog.unnest($3), pg_catalog.unnest($4), pg_catalog.unnest($5), \
-                   pg_catalog.unnest($6))"
-            }
+            ),
+            Stmt::Insert => concat!("INSERT INTO dedup.attempt_counts ", counts_from_arrays!()),
             // Ordered, so the cached generic plan scans the (inbox, expires_at) index: see the inbox's purge.
             Stmt::PurgeBatch => {
                 "DELETE FROM dedup.attempt_counts WHERE ctid OPERATOR(pg_catalog.=) ANY (ARRAY(SELECT ctid \
