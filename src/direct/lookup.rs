@@ -33,6 +33,10 @@ pub fn readable(inbox: &Inbox) -> bool {
 }
 
 /// The row of each of `ids`, in order, read with one snapshot.
+///
+/// Ids in ascending byte order (what `mark()`'s algorithm probes) are found by walking the index forward from the
+/// first (`walk`), which reads the leaf pages they are on once instead of descending from the root for each id;
+/// any other list is looked up id by id.
 pub fn find_each(inbox: &Inbox, ids: &[&str]) -> Vec<Option<Found>> {
     assert!(readable(inbox), "direct lookup of an inbox that needs the executor");
     // The scan, its keys and whatever the index allocates go into a context of their own, gone when this returns
@@ -51,29 +55,31 @@ pub fn find_each(inbox: &Inbox, ids: &[&str]) -> Vec<Option<Found>> {
             let rel = pg_sys::table_open(inbox.relid, pg_sys::NoLock as pg_sys::LOCKMODE);
             let index = pg_sys::index_open(inbox.shape().pkey, pg_sys::AccessShareLock as pg_sys::LOCKMODE);
             let snapshot = pg_sys::RegisterSnapshot(pg_sys::GetTransactionSnapshot());
-            let scan = ports::index_beginscan(rel, index, snapshot, 1);
             let slot = pg_sys::table_slot_create(rel, std::ptr::null_mut());
-            let found = ids
-                .iter()
-                .map(|id| {
-                    let mut key = pg_sys::ScanKeyData::default();
-                    pg_sys::ScanKeyInit(
-                        &mut key,
-                        1,
-                        pg_sys::BTEqualStrategyNumber as pg_sys::StrategyNumber,
-                        pg_sys::Oid::from(pg_sys::F_TEXTEQ),
-                        super::text(id),
-                    );
-                    key.sk_collation = *(*index).rd_indcollation;
-                    pg_sys::index_rescan(scan, &mut key, 1, std::ptr::null_mut(), 0);
-                    pg_sys::index_getnext_slot(scan, pg_sys::ScanDirection::ForwardScanDirection, slot).then(|| {
-                        let scratch = pg_sys::MemoryContextSwitchTo(caller);
-                        let row = read(slot);
-                        pg_sys::MemoryContextSwitchTo(scratch);
-                        row
-                    })
-                })
-                .collect();
+            let copy = |slot| {
+                let scratch = pg_sys::MemoryContextSwitchTo(caller);
+                let row = read(slot);
+                pg_sys::MemoryContextSwitchTo(scratch);
+                row
+            };
+            let scan = ports::index_beginscan(rel, index, snapshot, 1);
+            let one = |id: &str| {
+                let mut key = scan_key(index, pg_sys::BTEqualStrategyNumber, pg_sys::F_TEXTEQ, id);
+                pg_sys::index_rescan(scan, &mut key, 1, std::ptr::null_mut(), 0);
+                pg_sys::index_getnext_slot(scan, pg_sys::ScanDirection::ForwardScanDirection, slot).then(|| copy(slot))
+            };
+            // Byte order is the index's order only under the "C" collation (every inbox's; checked all the same).
+            let walkable = *(*index).rd_indcollation == pg_sys::C_COLLATION_OID
+                && ids.len() > 1
+                && ids.windows(2).all(|pair| pair[0].as_bytes() < pair[1].as_bytes());
+            let found = if walkable {
+                let range = ports::index_beginscan(rel, index, snapshot, 2);
+                let found = walk(range, slot, ids, copy, one);
+                pg_sys::index_endscan(range);
+                found
+            } else {
+                ids.iter().map(|id| one(id)).collect()
+            };
             pg_sys::ExecDropSingleTupleTableSlot(slot);
             pg_sys::index_endscan(scan);
             pg_sys::UnregisterSnapshot(snapshot);
@@ -82,6 +88,137 @@ pub fn find_each(inbox: &Inbox, ids: &[&str]) -> Vec<Option<Found>> {
             found
         })
     }
+}
+
+/// Index entries a range scan steps over without meeting a wanted id before it gives up and descends again:
+/// stepping over an entry costs a comparison, a descent from the root a few dozen and a buffer lookup per level.
+const MAX_SKIPPED: usize = 16;
+/// The most ids one range scan covers.
+const MAX_WINDOW: usize = 1024;
+/// Ids looked up one by one after a range scan gave up: four times as many each time one gives up again, up to
+/// `MAX_BACKOFF` (a range scan that gives up has read a leaf page or two for nothing: over a thousand random ids
+/// that happens about five times).
+const FIRST_BACKOFF: usize = 4;
+const MAX_BACKOFF: usize = 1024;
+
+/// The rows of `ids` (ascending in byte order, the "C" collation's), found by range scans over the index that each
+/// cover a window of consecutive ids: `id >= first AND id <= last`, read forward, each entry's key compared with
+/// the wanted ids (an index-only read of the key) and the heap visited only for entries of a wanted id. Ids that
+/// sit close together in the index (a redelivered batch of consecutive ids) are found in one pass over their leaf
+/// pages. Ids spread over the index (random UUIDs) make a range scan step over entries nobody wants: past
+/// `MAX_SKIPPED` of them it gives up, and the ids after it are looked up one by one (a window of one: a descent
+/// each, as an equality scan would), for four times as long each time a range scan gives up, before a window is tried again.
+///
+/// # Safety
+/// `scan` must be a scan begun with two keys on the primary key of the table `slot` is made for, under a
+/// registered snapshot; `copy` copies a visible row out of `slot`.
+unsafe fn walk(
+    scan: pg_sys::IndexScanDesc,
+    slot: *mut pg_sys::TupleTableSlot,
+    ids: &[&str],
+    copy: impl Fn(*mut pg_sys::TupleTableSlot) -> Found,
+    one: impl Fn(&str) -> Option<Found>,
+) -> Vec<Option<Found>> {
+    // SAFETY: the caller vouches for the scan and the slot; an entry's key is read while the scan holds it.
+    unsafe {
+        // The scan hands back each entry's key (btree can: it is what an index-only scan reads).
+        (*scan).xs_want_itup = true;
+        let index = (*scan).indexRelation;
+        let mut found: Vec<Option<Found>> = ids.iter().map(|_| None).collect();
+        let mut next = 0; // the first id not settled
+        let mut window = 2;
+        let (mut backoff, mut singles) = (0usize, 0usize);
+        while next < ids.len() {
+            if singles > 0 {
+                found[next] = one(ids[next]);
+                next += 1;
+                singles -= 1;
+                continue;
+            }
+            let last = (next + window).min(ids.len()) - 1;
+            let mut keys = [
+                scan_key(index, pg_sys::BTGreaterEqualStrategyNumber, pg_sys::F_TEXT_GE, ids[next]),
+                scan_key(index, pg_sys::BTLessEqualStrategyNumber, pg_sys::F_TEXT_LE, ids[last]),
+            ];
+            pg_sys::index_rescan(scan, keys.as_mut_ptr(), 2, std::ptr::null_mut(), 0);
+            let mut skipped = 0;
+            let mut gave_up = false;
+            while !pg_sys::index_getnext_tid(scan, pg_sys::ScanDirection::ForwardScanDirection).is_null() {
+                let key = entry_key(scan);
+                // Every entry is within [ids[next], ids[last]]: ids before this key have no entry.
+                while next < last && ids[next].as_bytes() < key {
+                    next += 1;
+                }
+                if ids[next].as_bytes() == key {
+                    skipped = 0;
+                    // One entry per version of the row: the first visible one is the row.
+                    if found[next].is_none() && pg_sys::index_fetch_heap(scan, slot) {
+                        found[next] = Some(copy(slot));
+                        if next == last {
+                            // Nothing more is wanted: reading on would only find the range's end (on the next
+                            // leaf page, when this entry was its page's last).
+                            break;
+                        }
+                    }
+                } else {
+                    skipped += 1;
+                    if skipped > MAX_SKIPPED {
+                        gave_up = true;
+                        break;
+                    }
+                }
+            }
+            if gave_up {
+                // `next` and what follows are not settled; the scan resumes at `next`.
+                backoff = (backoff * 4).clamp(FIRST_BACKOFF, MAX_BACKOFF);
+                singles = backoff;
+                window = 2;
+            } else {
+                next = last + 1;
+                window = (window * 2).min(MAX_WINDOW);
+                backoff = 0;
+            }
+        }
+        found
+    }
+}
+
+/// The key of the index entry `scan` returned last, as bytes.
+///
+/// # Safety
+/// `scan` must be an index scan of a one-column text index, begun with `xs_want_itup`, that just returned an entry;
+/// the bytes live until the next entry (or until the scan's memory goes, when the key was compressed).
+unsafe fn entry_key<'a>(scan: pg_sys::IndexScanDesc) -> &'a [u8] {
+    // SAFETY: the caller vouches for the scan; the primary key's column is never NULL.
+    unsafe {
+        let datum = pg_sys::nocache_index_getattr((*scan).xs_itup, 1, (*scan).xs_itupdesc);
+        // A long id may be stored compressed in the index.
+        let text = pg_sys::pg_detoast_datum_packed(datum.cast_mut_ptr());
+        std::slice::from_raw_parts(
+            pgrx::varlena::vardata_any(text) as *const u8,
+            pgrx::varlena::varsize_any_exhdr(text),
+        )
+    }
+}
+
+/// A scan key on the index's one column: `column <strategy> id`, under the index's collation.
+///
+/// # Safety
+/// `index` must be an open index on one text column; `procedure` the operator's function for `strategy`.
+unsafe fn scan_key(index: pg_sys::Relation, strategy: u32, procedure: u32, id: &str) -> pg_sys::ScanKeyData {
+    let mut key = pg_sys::ScanKeyData::default();
+    // SAFETY: the caller vouches for the index.
+    unsafe {
+        pg_sys::ScanKeyInit(
+            &mut key,
+            1,
+            strategy as pg_sys::StrategyNumber,
+            pg_sys::Oid::from(procedure),
+            super::text(id),
+        );
+        key.sk_collation = *(*index).rd_indcollation;
+    }
+    key
 }
 
 /// The row `slot` holds, copied out of it.
@@ -136,5 +273,48 @@ mod tests {
         // A change made by SQL a moment ago is seen at once, as by the next statement.
         run("DELETE FROM dedup.inbox_dl_seen WHERE id = 'mine'");
         assert!(super::find_each(&inbox, &["mine"])[0].is_none());
+    }
+
+    #[pg_test]
+    fn direct_walk_finds_what_a_lookup_of_each_id_finds() {
+        // Ids close together and far apart in the index, long ones (stored compressed in it), rows with several
+        // versions (an update of expires_at adds index entries; the old ones are invisible), deleted rows.
+        run("SELECT dedup.create_inbox('dl_walk');
+             INSERT INTO dedup.inbox_dl_walk (id, expires_at)
+               SELECT 'k-' || g, now() + g * interval '1 second' FROM generate_series(1, 5000) g;
+             INSERT INTO dedup.inbox_dl_walk (id, expires_at)
+               SELECT md5(g::text), now() + interval '1 day' FROM generate_series(1, 5000) g;
+             INSERT INTO dedup.inbox_dl_walk (id, expires_at)
+               SELECT 'long-' || g || repeat('x', 3000), now() + interval '1 day' FROM generate_series(1, 50) g;
+             UPDATE dedup.inbox_dl_walk SET expires_at = expires_at + interval '1 hour' WHERE id LIKE 'k-1%';
+             UPDATE dedup.inbox_dl_walk SET expires_at = expires_at + interval '1 hour' WHERE id LIKE 'k-1%';
+             DELETE FROM dedup.inbox_dl_walk WHERE id LIKE 'k-2%'");
+        // Wanted: runs of neighbours (present, deleted, past the end), ids between neighbours, ids dozens of
+        // entries apart (half of them absent), and long ids.
+        let wanted = column(
+            "SELECT id FROM (
+               SELECT 'k-' || g FROM generate_series(1, 6000) g
+               UNION SELECT 'k-' || g || 'z' FROM generate_series(1, 300) g
+               UNION SELECT md5(g::text) FROM generate_series(1, 10000, 37) g
+               UNION SELECT 'long-' || g || repeat('x', 3000) FROM generate_series(1, 60, 3) g) s(id)
+             ORDER BY id COLLATE \"C\"",
+        );
+        let ids: Vec<&str> = wanted.iter().map(String::as_str).collect();
+        let inbox = open("dl_walk", Access::Mark);
+        let found = super::find_each(&inbox, &ids);
+        let mut rows = 0;
+        for (id, row) in ids.iter().zip(&found) {
+            let expected: Option<TimestampWithTimeZone> =
+                Spi::get_one_with_args("SELECT (SELECT expires_at FROM dedup.inbox_dl_walk WHERE id = $1)", &[(*id).into()])
+                    .unwrap();
+            assert_eq!(row.as_ref().map(|r| r.expires_at), expected, "{}", &id[..id.len().min(20)]);
+            rows += row.is_some() as usize;
+        }
+        assert_eq!(rows, 5000 - 1111 + 136 + 17, "present: k- but k-2*, the md5 ids up to 5000, the long ones");
+        // The same ids one at a time (no walk) agree.
+        for (id, row) in ids.iter().zip(&found).step_by(97) {
+            let alone = super::find_each(&inbox, &[id]).pop().flatten();
+            assert_eq!(alone.map(|r| r.expires_at), row.as_ref().map(|r| r.expires_at));
+        }
     }
 }
