@@ -72,7 +72,7 @@ fn claim_key(inbox: &Inbox, id: &str, row: &Row, now: TimestampWithTimeZone, wai
     };
     // A key the filter vouches for goes straight in (a speculative insertion, which never waits either).
     let says_new = gate::certainly_new(inbox, id);
-    if says_new == Some(true) && direct::insert(inbox, &[id.to_owned()], row).len() == 1 {
+    if says_new == Some(true) && direct::insert(inbox, &[id], row) == 1 {
         return Answer::New;
     }
     // The filter said "maybe" and the key turns out to have no row: a false positive.
@@ -91,7 +91,7 @@ fn claim_key(inbox: &Inbox, id: &str, row: &Row, now: TimestampWithTimeZone, wai
             let inserted = if wait {
                 wrote(inbox, Stmt::ClaimInsert, &args(None))
             } else if inbox.shape().plain {
-                direct::insert(inbox, &[id.to_owned()], row).len() == 1
+                direct::insert(inbox, &[id], row) == 1
             } else {
                 wrote_at_once(inbox, Stmt::ClaimInsert, &args(None)).unwrap_or(false)
             };

@@ -30,12 +30,6 @@ use std::cell::OnceCell;
 /// same id between two statements, so more than a couple of rounds means something is badly wrong.
 pub const MAX_ROUNDS: usize = 16;
 
-/// The ids the filter cannot rule out ("maybe"); None when no filter answers.
-fn suspects<'a>(inbox: &Inbox, ids: &[&'a str]) -> Option<HashSet<&'a str>> {
-    let maybe = gate::maybe(inbox, ids)?;
-    Some(ids.iter().zip(maybe).filter(|(_, m)| *m).map(|(id, _)| *id).collect())
-}
-
 /// When a mark made now expires: `ttl` (already validated) or the inbox's default (validated when created). Worked
 /// out when first needed (calendar arithmetic in the session's time zone): a call whose ids are all duplicates never
 /// needs it.
@@ -71,13 +65,11 @@ pub fn mark_ids(inbox: &Inbox, ids: &[&str], ttl: Option<Interval>) -> Vec<bool>
     let mut fresh = 0;
     for chunk in order.chunks(CHUNK.max(order.len().div_ceil(MAX_CHUNKS))) {
         let chunk_ids: Vec<&str> = chunk.iter().map(|&i| ids[i as usize]).collect();
-        let suspects = suspects(inbox, &chunk_ids);
-        let out = mark_sorted(inbox, &chunk_ids, suspects.as_ref(), &expires_at);
-        for (&i, id) in chunk.iter().zip(&chunk_ids) {
-            if out.fresh.contains(*id) {
-                new_at[i as usize] = true;
-                fresh += 1;
-            }
+        let maybe = gate::maybe(inbox, &chunk_ids);
+        let out = mark_sorted(inbox, &chunk_ids, maybe.as_deref(), &expires_at);
+        for (&i, &new) in chunk.iter().zip(&out.fresh) {
+            new_at[i as usize] = new;
+            fresh += new as u64;
         }
         inbox.count(Counter::Renewals, out.renewals);
         inbox.count(Counter::FalsePositives, out.false_positives);
@@ -87,55 +79,56 @@ pub fn mark_ids(inbox: &Inbox, ids: &[&str], ttl: Option<Interval>) -> Vec<bool>
     new_at
 }
 
-/// What a claim found.
-#[derive(Default)]
+/// What a claim found. Ids are known by their position in the claim's sorted ids: a thousand duplicates cost no
+/// copy of any of them.
 struct Outcome {
-    /// Ids that were new: inserted, or renewed after expiring.
-    fresh: HashSet<String>,
+    /// For each id, whether it was new: inserted, or renewed after expiring.
+    fresh: Vec<bool>,
     renewals: u64,
     /// Ids the filter could not rule out that turned out to be new (it said "maybe", the index said no).
     false_positives: u64,
 }
 
-/// Claims `ids` (sorted, distinct) for the window ending at `expires_at`. `suspects` is what the filter said: None when no filter
-/// answered, else the ids it could not call "certainly new". Suspects are probed before any insert is tried, so a
-/// duplicate costs one index lookup. When a filter answered, what is left is most likely all new and goes straight
-/// into heap and indexes; whatever that cannot settle takes the ordinary rounds, whose conflict check is the
-/// truth either way.
-fn mark_sorted(inbox: &Inbox, ids: &[&str], suspects: Option<&HashSet<&str>>, expires_at: &WindowEnd) -> Outcome {
+/// Claims `ids` (sorted, distinct) for the window ending at `expires_at`. `maybe` is what the filter said of each:
+/// None when no filter answered. Ids it could not call "certainly new" are probed before any insert is tried, so
+/// a duplicate costs one index lookup (and a batch of neighbours one walk over their leaf pages). When a filter
+/// answered, what is left is most likely all new and goes straight into heap and indexes; whatever that cannot
+/// settle takes the ordinary rounds, whose conflict check is the truth either way.
+fn mark_sorted(inbox: &Inbox, ids: &[&str], maybe: Option<&[bool]>, expires_at: &WindowEnd) -> Outcome {
     let now = statement_now();
-    // Sorted and distinct already (see `mark`).
-    let mut pending: Vec<String> = ids.iter().map(|id| id.to_string()).collect();
-    let mut out = Outcome::default();
-    if let Some(suspects) = suspects {
-        let probe_first: Vec<String> = pending.iter().filter(|id| suspects.contains(id.as_str())).cloned().collect();
+    let mut out = Outcome { fresh: vec![false; ids.len()], renewals: 0, false_positives: 0 };
+    // The positions of the ids not settled yet, ascending.
+    let mut pending: Vec<usize> = (0..ids.len()).collect();
+    if let Some(maybe) = maybe {
+        let probe_first: Vec<usize> = pending.iter().copied().filter(|&k| maybe[k]).collect();
         if !probe_first.is_empty() {
             let before = pending.len();
-            settle(inbox, &probe_first, now, expires_at, &mut pending, &mut out);
+            settle(inbox, ids, &probe_first, now, expires_at, &mut pending, &mut out);
             let duplicates = before - pending.len() - out.renewals as usize;
             out.false_positives = (probe_first.len() - duplicates) as u64;
         }
         if !pending.is_empty() {
-            let inserted = direct::insert(inbox, &pending, &direct::Row::mark(expires_at.get()));
-            if inserted.len() == pending.len() {
-                pending.clear();
-            } else {
-                pending.retain(|id| inserted.binary_search(id).is_err());
+            let rest: Vec<&str> = pending.iter().map(|&k| ids[k]).collect();
+            let inserted = direct::insert(inbox, &rest, &direct::Row::mark(expires_at.get()));
+            for k in pending.drain(..inserted) {
+                out.fresh[k] = true;
             }
-            out.fresh.extend(inserted);
         }
     }
     for _ in 0..MAX_ROUNDS {
         if pending.is_empty() {
             return out;
         }
-        out.fresh.extend(insert(inbox, &pending, expires_at.get()));
-        pending.retain(|id| !out.fresh.contains(id));
+        let rest: Vec<String> = pending.iter().map(|&k| ids[k].to_owned()).collect();
+        for id in insert(inbox, &rest, expires_at.get()) {
+            out.fresh[position(ids, &id)] = true;
+        }
+        pending.retain(|&k| !out.fresh[k]);
         if pending.is_empty() {
             return out;
         }
         let conflicted = pending.clone();
-        settle(inbox, &conflicted, now, expires_at, &mut pending, &mut out);
+        settle(inbox, ids, &conflicted, now, expires_at, &mut pending, &mut out);
     }
     raise(
         PgSqlErrorCode::ERRCODE_T_R_SERIALIZATION_FAILURE,
@@ -144,23 +137,42 @@ fn mark_sorted(inbox: &Inbox, ids: &[&str], suspects: Option<&HashSet<&str>>, ex
     )
 }
 
-/// Looks up `ids` (rows visible now): live ones are duplicates and leave `pending`; expired ones are renewed in
-/// place and become fresh. What is left in `pending` had no row (or lost a renewal race) and goes to the insert.
+/// The position of `id` in `ids` (sorted), which a statement of this claim returned.
+fn position(ids: &[&str], id: &str) -> usize {
+    ids.binary_search(&id).expect("a statement returns only the ids it was given")
+}
+
+/// Looks up the ids at positions `which` (ascending) as rows visible now: live ones are duplicates and leave
+/// `pending`; expired ones are renewed in place and become fresh. What is left in `pending` had no row (or lost a
+/// renewal race) and goes to the insert.
 fn settle(
     inbox: &Inbox,
-    ids: &[String],
+    ids: &[&str],
+    which: &[usize],
     now: TimestampWithTimeZone,
     expires_at: &WindowEnd,
-    pending: &mut Vec<String>,
+    pending: &mut Vec<usize>,
     out: &mut Outcome,
 ) {
-    let (live, expired) = probe(inbox, ids, now);
-    pending.retain(|id| !live.contains(id));
+    let wanted: Vec<&str> = which.iter().map(|&k| ids[k]).collect();
+    let mut live = vec![false; ids.len()];
+    // Sorted, as `which` is.
+    let mut expired: Vec<String> = Vec::new();
+    for (&k, row) in which.iter().zip(rows::find(inbox, &wanted)) {
+        match row {
+            Some(row) if row.expires_at > now => live[k] = true,
+            Some(_) => expired.push(ids[k].to_owned()),
+            None => {}
+        }
+    }
+    pending.retain(|&k| !live[k]);
     if !expired.is_empty() {
         let renewed = returned_ids(inbox, Stmt::Renew, &[expired.into(), expires_at.get().into(), now.into()]);
-        pending.retain(|id| !renewed.contains(id));
         out.renewals += renewed.len() as u64;
-        out.fresh.extend(renewed);
+        for id in renewed {
+            out.fresh[position(ids, &id)] = true;
+        }
+        pending.retain(|&k| !out.fresh[k]);
     }
 }
 
@@ -173,18 +185,6 @@ fn insert(inbox: &Inbox, ids: &[String], expires_at: TimestampWithTimeZone) -> H
         return if inserted { HashSet::from_iter([id.clone()]) } else { HashSet::default() };
     }
     returned_ids(inbox, Stmt::InsertMany, &[ids.to_vec().into(), expires_at.into()])
-}
-
-/// Splits the rows visible now into live ids and (sorted) expired ids.
-fn probe(inbox: &Inbox, ids: &[String], now: TimestampWithTimeZone) -> (HashSet<String>, Vec<String>) {
-    let borrowed: Vec<&str> = ids.iter().map(String::as_str).collect();
-    let (live, mut expired): (Vec<_>, Vec<_>) = ids
-        .iter()
-        .zip(rows::find(inbox, &borrowed))
-        .filter_map(|(id, row)| Some((id, row?.expires_at)))
-        .partition(|(_, expires)| *expires > now);
-    expired.sort_unstable_by(|a, b| a.0.cmp(b.0));
-    (live.into_iter().map(|(id, _)| id.clone()).collect(), expired.into_iter().map(|(id, _)| id.clone()).collect())
 }
 
 fn returned_ids(inbox: &Inbox, stmt: Stmt, args: &[pgrx::datum::DatumWithOid<'_>]) -> HashSet<String> {

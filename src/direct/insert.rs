@@ -28,18 +28,18 @@ use pgrx::prelude::*;
 /// cluster consumes xids).
 const MIN_IDS: usize = 8;
 
-/// Inserts what it can of `ids` (sorted, distinct) with the values of `row` and returns the ids it inserted, a
-/// prefix of `ids`. Nothing was written for the others: the table needs the executor, or an id had a row after all
-/// (and the ids after it were left alone; see `insert_each`).
-pub fn insert(inbox: &Inbox, ids: &[String], row: &Row) -> Vec<String> {
+/// Inserts what it can of `ids` (sorted, distinct) with the values of `row` and returns how many it inserted: the
+/// ids inserted are that prefix of `ids`. Nothing was written for the others: the table needs the executor, or an
+/// id had a row after all (and the ids after it were left alone; see `insert_each`).
+pub fn insert(inbox: &Inbox, ids: &[&str], row: &Row) -> usize {
     if !inbox.shape().plain {
-        return Vec::new();
+        return 0;
     }
     // SAFETY: the inbox was opened (and locked) by this transaction; the relation is closed below.
     let rel = unsafe { pg_sys::table_open(inbox.relid, pg_sys::RowExclusiveLock as pg_sys::LOCKMODE) };
     let values = Values::of(row);
     let inserted = if ids.len() >= MIN_IDS && xact::has_room() && insert_all(rel, inbox.ns, ids, &values) {
-        ids.to_vec()
+        ids.len()
     } else {
         // SAFETY: as above, and the table qualified.
         unsafe { insert_each(rel, inbox.ns, ids, &values) }
@@ -47,7 +47,7 @@ pub fn insert(inbox: &Inbox, ids: &[String], row: &Row) -> Vec<String> {
     // SAFETY: closes what was opened above, keeping the lock until the transaction ends.
     unsafe {
         pg_sys::table_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
-        if !inserted.is_empty() {
+        if inserted > 0 {
             // Later statements of this call (and of the transaction) must see the rows, as after any SQL insert.
             pg_sys::CommandCounterIncrement();
         }
@@ -56,30 +56,27 @@ pub fn insert(inbox: &Inbox, ids: &[String], row: &Row) -> Vec<String> {
 }
 
 /// All of `ids` in one multi-insert, or (when one of them has a row) none.
-fn insert_all(rel: pg_sys::Relation, ns: u64, ids: &[String], values: &Values) -> bool {
+fn insert_all(rel: pg_sys::Relation, ns: u64, ids: &[&str], values: &Values) -> bool {
     // SAFETY: `rel` is the open, qualifying inbox table of `insert`.
     xact::undo_on(PgSqlErrorCode::ERRCODE_UNIQUE_VIOLATION, || unsafe { write_rows(rel, ns, ids, values) }).is_some()
 }
 
-/// Each of `ids` (sorted) on its own, by speculative insertion, up to the first that has a row: returns those that
-/// went in, a prefix of `ids`. It stops there because the caller's ordinary path then waits for that id's
+/// Each of `ids` (sorted) on its own, by speculative insertion, up to the first that has a row: returns how many
+/// went in (a prefix of `ids`). It stops there because the caller's ordinary path then waits for that id's
 /// concurrent claim: holding rows of greater ids meanwhile would break the sorted order in which every claim takes
 /// its ids, and two claims could deadlock (one waiting here for the other's smaller id, the other in its batch
 /// for one of ours).
 ///
 /// # Safety
 /// `rel` must be an inbox table opened with RowExclusiveLock whose shape is `plain`.
-unsafe fn insert_each(rel: pg_sys::Relation, ns: u64, ids: &[String], values: &Values) -> Vec<String> {
+unsafe fn insert_each(rel: pg_sys::Relation, ns: u64, ids: &[&str], values: &Values) -> usize {
     // SAFETY: the caller vouches for the relation; the slot is made and dropped here, inside with_indexes' executor
     // state.
     unsafe {
         with_indexes(rel, |estate, result_rel| {
             let slot = row_slots(rel, 1)[0];
-            let inserted = ids
-                .iter()
-                .take_while(|id| insert_one(rel, ns, (estate, result_rel), slot, id, values))
-                .cloned()
-                .collect();
+            let inserted =
+                ids.iter().take_while(|id| insert_one(rel, ns, (estate, result_rel), slot, id, values)).count();
             pg_sys::ExecDropSingleTupleTableSlot(slot);
             inserted
         })
@@ -131,7 +128,7 @@ unsafe fn insert_one(
 ///
 /// # Safety
 /// As for `insert_each`.
-unsafe fn write_rows(rel: pg_sys::Relation, ns: u64, ids: &[String], values: &Values) {
+unsafe fn write_rows(rel: pg_sys::Relation, ns: u64, ids: &[&str], values: &Values) {
     // SAFETY: the caller vouches for the relation; the slots are made, filled and dropped inside with_indexes' executor
     // state, and the table access method's multi_insert is called as COPY calls it.
     unsafe {
@@ -167,14 +164,18 @@ mod tests {
         (0..n).map(|i| format!("{prefix}{i:04}")).collect()
     }
 
+    fn refs(ids: &[String]) -> Vec<&str> {
+        ids.iter().map(String::as_str).collect()
+    }
+
     #[pg_test]
     fn direct_insert_writes_rows_their_index_entries_and_filter_bits() {
         run("SELECT dedup.create_inbox('di_rows')");
         let inbox = open("di_rows", Access::Mark);
         let row = super::Row::mark(one::<TimestampWithTimeZone>("SELECT now() + interval '1 hour'"));
         let batch = ids("b", 20);
-        assert_eq!(super::insert(&inbox, &batch, &row), batch, "a batch goes in whole");
-        assert_eq!(super::insert(&inbox, &["single".to_owned()], &row), ["single"]);
+        assert_eq!(super::insert(&inbox, &refs(&batch), &row), batch.len(), "a batch goes in whole");
+        assert_eq!(super::insert(&inbox, &["single"], &row), 1);
         assert_eq!(count("dedup.inbox_di_rows"), 21);
         run("SET LOCAL enable_seqscan = off");
         assert_eq!(count("dedup.inbox_di_rows WHERE id = 'b0007'"), 1, "the primary key has the row");
@@ -189,8 +190,8 @@ mod tests {
         let inbox = open("di_conflict", Access::Mark);
         let row = super::Row::mark(one::<TimestampWithTimeZone>("SELECT now() + interval '1 hour'"));
         let batch = ids("b", 12);
-        let inserted = super::insert(&inbox, &batch, &row);
-        assert_eq!(inserted, &batch[..5], "the undone batch went in id by id, up to the one with a row");
+        let inserted = super::insert(&inbox, &refs(&batch), &row);
+        assert_eq!(inserted, 5, "the undone batch went in id by id, up to the one with a row");
         assert_eq!(count("dedup.inbox_di_conflict"), 6, "nothing after it: the caller takes those in order");
         assert_eq!(count("dedup.inbox_di_conflict WHERE id = 'b0005'"), 1);
         assert_eq!(
@@ -208,7 +209,7 @@ mod tests {
         let inbox = open("di_reshaped", Access::Mark);
         assert!(!inbox.shape().plain);
         let row = super::Row::mark(one::<TimestampWithTimeZone>("SELECT now() + interval '1 hour'"));
-        assert!(super::insert(&inbox, &ids("x", 10), &row).is_empty(), "nothing written behind the executor's back");
+        assert_eq!(super::insert(&inbox, &refs(&ids("x", 10)), &row), 0, "nothing written behind the executor's back");
         assert_eq!(column("SELECT * FROM dedup.mark_many(ARRAY['x1','x2'], NULL, 'di_reshaped')").len(), 2);
         assert_eq!(count("dedup.inbox_di_reshaped WHERE note = 'default'"), 2);
     }

@@ -304,9 +304,11 @@ mod tests {
         let found = super::find_each(&inbox, &ids);
         let mut rows = 0;
         for (id, row) in ids.iter().zip(&found) {
-            let expected: Option<TimestampWithTimeZone> =
-                Spi::get_one_with_args("SELECT (SELECT expires_at FROM dedup.inbox_dl_walk WHERE id = $1)", &[(*id).into()])
-                    .unwrap();
+            let expected: Option<TimestampWithTimeZone> = Spi::get_one_with_args(
+                "SELECT (SELECT expires_at FROM dedup.inbox_dl_walk WHERE id = $1)",
+                &[(*id).into()],
+            )
+            .unwrap();
             assert_eq!(row.as_ref().map(|r| r.expires_at), expected, "{}", &id[..id.len().min(20)]);
             rows += row.is_some() as usize;
         }
