@@ -69,6 +69,13 @@ pub fn init_preloaded() {
 #[pg_guard]
 #[no_mangle]
 pub extern "C-unwind" fn pg_dedup_launcher_main(_arg: pg_sys::Datum) {
+    // SAFETY: a postmaster global, set from its options before any worker is forked.
+    if unsafe { pg_sys::IsBinaryUpgrade } {
+        // pg_upgrade restores the schema into a server started with -b: a worker would race it, repairing the
+        // filter trigger of dedup.attempt_counts between the table's creation and the restore of that very
+        // trigger ("already exists"). Exiting with 0, the launcher is not started again until a normal start.
+        return;
+    }
     BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
     BackgroundWorker::connect_worker_to_spi(None, None);
     let mut workers: HashMap<String, DynamicBackgroundWorker> = HashMap::new();
