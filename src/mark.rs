@@ -120,9 +120,7 @@ fn mark_sorted(inbox: &Inbox, ids: &[&str], maybe: Option<&[bool]>, expires_at: 
             return out;
         }
         let rest: Vec<String> = pending.iter().map(|&k| ids[k].to_owned()).collect();
-        for id in insert(inbox, &rest, expires_at.get()) {
-            out.fresh[position(ids, &id)] = true;
-        }
+        out.returned_fresh(ids, insert(inbox, &rest, expires_at.get()));
         pending.retain(|&k| !out.fresh[k]);
         if pending.is_empty() {
             return out;
@@ -137,9 +135,14 @@ fn mark_sorted(inbox: &Inbox, ids: &[&str], maybe: Option<&[bool]>, expires_at: 
     )
 }
 
-/// The position of `id` in `ids` (sorted), which a statement of this claim returned.
-fn position(ids: &[&str], id: &str) -> usize {
-    ids.binary_search(&id).expect("a statement returns only the ids it was given")
+impl Outcome {
+    /// Records as new the ids a statement of this claim returned (`ids`: the claim's, sorted).
+    fn returned_fresh(&mut self, ids: &[&str], returned: HashSet<String>) {
+        for id in returned {
+            let k = ids.binary_search(&id.as_str()).expect("a statement returns only the ids it was given");
+            self.fresh[k] = true;
+        }
+    }
 }
 
 /// Looks up the ids at positions `which` (ascending) as rows visible now: live ones are duplicates and leave
@@ -169,9 +172,7 @@ fn settle(
     if !expired.is_empty() {
         let renewed = returned_ids(inbox, Stmt::Renew, &[expired.into(), expires_at.get().into(), now.into()]);
         out.renewals += renewed.len() as u64;
-        for id in renewed {
-            out.fresh[position(ids, &id)] = true;
-        }
+        out.returned_fresh(ids, renewed);
         pending.retain(|&k| !out.fresh[k]);
     }
 }

@@ -106,12 +106,12 @@ const MAX_BACKOFF: usize = 1024;
 /// the wanted ids (an index-only read of the key) and the heap visited only for entries of a wanted id. Ids that
 /// sit close together in the index (a redelivered batch of consecutive ids) are found in one pass over their leaf
 /// pages. Ids spread over the index (random UUIDs) make a range scan step over entries nobody wants: past
-/// `MAX_SKIPPED` of them it gives up, and the ids after it are looked up one by one (a window of one: a descent
-/// each, as an equality scan would), for four times as long each time a range scan gives up, before a window is tried again.
+/// `MAX_SKIPPED` of them it gives up, and the ids after it are looked up one by one by `one` (an equality scan: a
+/// descent each), for four times as many ids each time a range scan gives up, before a window is tried again.
 ///
 /// # Safety
 /// `scan` must be a scan begun with two keys on the primary key of the table `slot` is made for, under a
-/// registered snapshot; `copy` copies a visible row out of `slot`.
+/// registered snapshot; `copy` copies a visible row out of `slot`; `one` looks up one id under the same snapshot.
 unsafe fn walk(
     scan: pg_sys::IndexScanDesc,
     slot: *mut pg_sys::TupleTableSlot,
