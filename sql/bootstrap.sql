@@ -56,16 +56,17 @@ CREATE INDEX ON dedup.attempt_counts (inbox, expires_at);
 SELECT pg_catalog.pg_extension_config_dump('dedup.attempt_counts', '');
 
 -- Tables whose inserts are deduplicated (dedup.attach(), docs/ingest.md): the key expression over the table's
--- columns, the inbox that holds the keys, their window (NULL: the inbox's default) and what happens to a duplicate
--- row. `tbl` is a regclass, so pg_dump writes the table's name and a restore finds the new table by it.
+-- columns, the inbox that holds the keys, their window (NULL: the inbox's default), what happens to a duplicate
+-- row, and whether keys are loaded in batches. `tbl` is a regclass, so pg_dump writes the table's name and a restore finds the new table by it.
 CREATE TABLE dedup.attachment_registry (
     tbl          pg_catalog.regclass PRIMARY KEY,
     key          text NOT NULL,
     inbox        text NOT NULL,
     ttl          interval,
-    on_duplicate text NOT NULL CHECK (on_duplicate IN ('skip', 'error'))
+    on_duplicate text NOT NULL CHECK (on_duplicate IN ('skip', 'error')),
+    batched      boolean NOT NULL DEFAULT false
 );
 SELECT pg_catalog.pg_extension_config_dump('dedup.attachment_registry', '');
 
 CREATE VIEW dedup.attachments AS
-SELECT tbl, key, inbox, ttl, on_duplicate FROM dedup.attachment_registry;
+SELECT tbl, key, inbox, ttl, on_duplicate, batched FROM dedup.attachment_registry;

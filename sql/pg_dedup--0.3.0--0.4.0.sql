@@ -20,7 +20,21 @@
 --    those of the inboxes it may read, and dedup.stats counts attempt() calls (a new column, attempts, at the end).
 --    The Bloom filter holds the keys of dedup.attempt_counts (its dedup_filter trigger), so attempt() of a new id
 --    does not read the table.
+-- 4. Batched attachments, the bulk road of ingest (docs/ingest.md): dedup.attach_batched() takes attach()'s
+--    arguments; dedup.attachment_registry and dedup.attachments get a column, batched, at the end.
 \echo Use "ALTER EXTENSION pg_dedup UPDATE TO '0.4.0'" to load this file. \quit
+
+-- 4. (Before 1., whose attach() calls write the new column.) Batched attachments (docs/ingest.md, "The bulk road"):
+--    dedup.attach_batched(), with attach()'s arguments; the registry keeps which attachments are batched, and
+--    dedup.attachments shows it (a new column, batched, at the end).
+ALTER TABLE dedup.attachment_registry ADD COLUMN batched boolean NOT NULL DEFAULT false;
+CREATE FUNCTION dedup.attach_batched(tbl regclass, key text, ttl interval DEFAULT NULL,
+                                     inbox text DEFAULT 'default', on_duplicate text DEFAULT 'skip') RETURNS void
+VOLATILE PARALLEL UNSAFE LANGUAGE c AS 'MODULE_PATHNAME', 'attach_batched_wrapper';
+-- As finalize.sql does for every function of a fresh install: callers get EXECUTE by grant.
+REVOKE ALL ON FUNCTION dedup.attach_batched(regclass, text, interval, text, text) FROM PUBLIC;
+CREATE OR REPLACE VIEW dedup.attachments AS
+SELECT tbl, key, inbox, ttl, on_duplicate, batched FROM dedup.attachment_registry;
 
 DELETE FROM dedup.attachment_registry a
  WHERE NOT EXISTS (SELECT 1 FROM pg_catalog.pg_trigger t

@@ -33,6 +33,7 @@ fn drop_inbox(name: Option<&str>) {
             forget: &|name| {
                 positions::forget_inbox(name);
                 attempts::forget_inbox(name);
+                attach::forget_batch(name);
             },
         },
     );

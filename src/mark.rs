@@ -48,7 +48,7 @@ impl WindowEnd<'_> {
 /// Distinct ids claimed together: past this, a call works through its ids in chunks, in sorted order, so its
 /// memory stays bounded whatever the array's size. A large array is cut into at most `MAX_CHUNKS` chunks (each
 /// chunk's multi-insert takes a subtransaction, and the backend keeps room for only so many).
-const CHUNK: usize = 10_000;
+pub const CHUNK: usize = 10_000;
 const MAX_CHUNKS: usize = 16;
 
 /// Marks `ids` in `inbox` for `ttl` (None: the inbox's default), asking the filter first, and keeps the inbox's
@@ -194,6 +194,10 @@ fn returned_ids(inbox: &Inbox, stmt: Stmt, args: &[pgrx::datum::DatumWithOid<'_>
 
 /// Is there a live mark for `id` visible to this transaction? The filter answers "certainly not" when it can.
 pub fn seen_id(inbox: &Inbox, id: &str) -> bool {
+    // A key a batched attachment remembered is this transaction's mark, not in the table yet (`attach::batch`).
+    if crate::attach::batch_holds(inbox, id) {
+        return true;
+    }
     let certainly_new = gate::certainly_new(inbox, id);
     if certainly_new == Some(true) {
         return false;

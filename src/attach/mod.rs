@@ -19,9 +19,12 @@
 //! trigger: `watch_drop`, an event trigger, removes it when a DROP takes the table or the trigger, and every
 //! `attach()`, `detach()` and `drop_inbox()` prunes attachments whose table went some other way.
 
+mod batch;
 mod key;
 mod registry;
 mod row_trigger;
+
+pub use batch::{flush as flush_batch, forget as forget_batch, holds as batch_holds};
 
 use crate::errors::{internal, raise};
 use crate::inbox::{self, Access};
@@ -30,6 +33,9 @@ use pgrx::prelude::*;
 
 /// The trigger's name (see the module comment for why it sorts last).
 pub const TRIGGER: &str = "zz_dedup_attached";
+
+/// The statement trigger of a batched attachment (`batch`), which flushes the statement's keys.
+const BATCH_TRIGGER: &str = "zz_dedup_attached_batch";
 
 /// What happens to a row whose key was already marked.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -214,8 +220,42 @@ fn attach(
     inbox: Option<&str>,
     on_duplicate: Option<&str>,
 ) {
-    input::require_writable("attach");
-    let relid = required_table("attach", tbl);
+    attach_table("attach", tbl, key, ttl, inbox, on_duplicate, false);
+}
+
+/// `attach()`, batched (`batch`, docs/ingest.md, "The bulk road"): keys the filter vouches for wait in memory and go
+/// into the inbox together, sorted, at the statement's end. Its one difference: a concurrent loader of the same key
+/// makes a statement fail with serialization_failure instead of making the row wait.
+#[pg_extern(
+    volatile,
+    parallel_unsafe,
+    sql = "
+    CREATE FUNCTION dedup.attach_batched(tbl regclass, key text, ttl interval DEFAULT NULL,
+                                         inbox text DEFAULT 'default', on_duplicate text DEFAULT 'skip') RETURNS void
+    VOLATILE PARALLEL UNSAFE LANGUAGE c AS 'MODULE_PATHNAME', 'attach_batched_wrapper';
+"
+)]
+fn attach_batched(
+    tbl: Option<pg_sys::Oid>,
+    key: Option<&str>,
+    ttl: Option<Interval>,
+    inbox: Option<&str>,
+    on_duplicate: Option<&str>,
+) {
+    attach_table("attach_batched", tbl, key, ttl, inbox, on_duplicate, true);
+}
+
+fn attach_table(
+    function: &str,
+    tbl: Option<pg_sys::Oid>,
+    key: Option<&str>,
+    ttl: Option<Interval>,
+    inbox: Option<&str>,
+    on_duplicate: Option<&str>,
+    batched: bool,
+) {
+    input::require_writable(function);
+    let relid = required_table(function, tbl);
     let key = key.unwrap_or_else(|| {
         raise(
             PgSqlErrorCode::ERRCODE_NULL_VALUE_NOT_ALLOWED,
@@ -258,34 +298,53 @@ fn attach(
                     "Attach only the partitioned table at the top: its partitions are covered. Detach the other first.",
                 )
             }
-            if registry::foreign_trigger(relid) {
-                raise(
-                    PgSqlErrorCode::ERRCODE_DUPLICATE_OBJECT,
-                    format!("{table} has a trigger named {TRIGGER} that is not pg_dedup's"),
-                    format!("Rename or drop that trigger first (ALTER TRIGGER {TRIGGER} ON {table} RENAME TO ...)."),
-                )
+            for name in [TRIGGER, BATCH_TRIGGER] {
+                if registry::foreign_trigger(relid, name) {
+                    raise(
+                        PgSqlErrorCode::ERRCODE_DUPLICATE_OBJECT,
+                        format!("{table} has a trigger named {name} that is not pg_dedup's"),
+                        format!("Rename or drop that trigger first (ALTER TRIGGER {name} ON {table} RENAME TO ...)."),
+                    )
+                }
             }
             // Re-created even when it exists: every backend's compiled key for the table goes with the relcache
             // invalidation this causes (also on each partition, whose clone is re-created too). Before the registry
             // row is written: dropping the old trigger prunes the old row (`watch_drop`). UPDATE and DELETE: see
             // `row_trigger::Moving`.
-            let ddl = format!(
-                "DROP TRIGGER IF EXISTS {TRIGGER} ON {table}; \
+            // A batched attachment's statement trigger fires on the table the statement names (PostgreSQL clones
+            // no statement trigger onto partitions): rows inserted into a partition directly are flushed by the
+            // next use of the inbox or the commit (`batch`).
+            let mut ddl = format!(
+                "DROP TRIGGER IF EXISTS {TRIGGER} ON {table}; DROP TRIGGER IF EXISTS {BATCH_TRIGGER} ON {table}; \
                  CREATE TRIGGER {TRIGGER} BEFORE INSERT OR UPDATE OR DELETE ON {table} FOR EACH ROW \
                    EXECUTE FUNCTION dedup.attached_insert(); \
                  ALTER TABLE {table} ENABLE ALWAYS TRIGGER {TRIGGER}"
             );
+            if batched {
+                ddl += &format!(
+                    "; CREATE TRIGGER {BATCH_TRIGGER} AFTER INSERT ON {table} FOR EACH STATEMENT \
+                       EXECUTE FUNCTION dedup.attached_insert(); \
+                     ALTER TABLE {table} ENABLE ALWAYS TRIGGER {BATCH_TRIGGER}"
+                );
+            }
             // (Without "trigger ... does not exist, skipping" for a first attach.)
             guc::with_setting(c"client_min_messages", c"warning", || {
                 client.update(&ddl, None, &[]).unwrap_or_else(|e| internal("creating the attachment's trigger", e))
             });
-            let args =
-                [relid.into(), key.text.as_str().into(), inbox_name.into(), ttl.into(), on_duplicate.label().into()];
+            let args = [
+                relid.into(),
+                key.text.as_str().into(),
+                inbox_name.into(),
+                ttl.into(),
+                on_duplicate.label().into(),
+                batched.into(),
+            ];
             client
                 .update(
-                    "INSERT INTO dedup.attachment_registry (tbl, key, inbox, ttl, on_duplicate) \
-                     VALUES ($1, $2, $3, $4, $5) ON CONFLICT (tbl) DO UPDATE SET key = excluded.key, \
-                     inbox = excluded.inbox, ttl = excluded.ttl, on_duplicate = excluded.on_duplicate",
+                    "INSERT INTO dedup.attachment_registry (tbl, key, inbox, ttl, on_duplicate, batched) \
+                     VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (tbl) DO UPDATE SET key = excluded.key, \
+                     inbox = excluded.inbox, ttl = excluded.ttl, on_duplicate = excluded.on_duplicate, \
+                     batched = excluded.batched",
                     None,
                     &args,
                 )
@@ -334,7 +393,11 @@ fn detach(tbl: Option<pg_sys::Oid>) {
                 )
             }
             client
-                .update(&format!("DROP TRIGGER IF EXISTS {TRIGGER} ON {table}"), None, &[])
+                .update(
+                    &format!("DROP TRIGGER IF EXISTS {TRIGGER} ON {table}; DROP TRIGGER IF EXISTS {BATCH_TRIGGER} ON {table}"),
+                    None,
+                    &[],
+                )
                 .unwrap_or_else(|e| internal("dropping the attachment's trigger", e));
         })
     });

@@ -20,6 +20,8 @@ pub struct Attachment {
     pub inbox: String,
     pub ttl: Option<Interval>,
     pub on_duplicate: String,
+    /// Keys wait in memory for a flush (`batch`). False in a registry of before 0.4.0, which lacks the column.
+    pub batched: bool,
 }
 
 /// Every row of the registry that a statement starting now would see, each with its position, read with the
@@ -44,6 +46,7 @@ fn scan(lock: u32) -> Vec<(pg_sys::ItemPointerData, Attachment)> {
                 (!null).then_some(datum)
             };
             let text = |attnum| column(attnum).and_then(|d| String::from_datum(d, false)).unwrap_or_default();
+            let columns = (*(*slot).tts_tupleDescriptor).natts;
             let Some(tbl) = column(1).and_then(|d| pg_sys::Oid::from_datum(d, false)) else { continue };
             let row = Attachment {
                 tbl,
@@ -51,6 +54,7 @@ fn scan(lock: u32) -> Vec<(pg_sys::ItemPointerData, Attachment)> {
                 inbox: text(3),
                 ttl: column(4).and_then(|d| Interval::from_datum(d, false)),
                 on_duplicate: text(5),
+                batched: columns >= 6 && column(6).and_then(|d| bool::from_datum(d, false)).unwrap_or(false),
             };
             rows.push(((*slot).tts_tid, row));
         }
@@ -76,9 +80,9 @@ pub fn first_of(tables: &[pg_sys::Oid]) -> Option<Attachment> {
         .map(|(_, row)| row)
 }
 
-/// The trigger named `TRIGGER` on table `relid` itself (not a partition's clone of its parent's), if the table exists
+/// The trigger named `name` on table `relid` itself (not a partition's clone of its parent's), if the table exists
 /// and has one: whether it runs `dedup.attached_insert()`.
-fn named_trigger(relid: pg_sys::Oid) -> Option<bool> {
+fn named_trigger(relid: pg_sys::Oid, name: &str) -> Option<bool> {
     // SAFETY: the relcache entry is opened without a lock (a table being dropped by another transaction still
     // counts as there) and closed here; its trigger descriptor is only read.
     unsafe {
@@ -91,7 +95,7 @@ fn named_trigger(relid: pg_sys::Oid) -> Option<bool> {
             .then(|| std::slice::from_raw_parts((*triggers).triggers, (*triggers).numtriggers as usize))
             .into_iter()
             .flatten()
-            .find(|t| std::ffi::CStr::from_ptr(t.tgname).to_bytes() == TRIGGER.as_bytes() && !t.tgisclone)
+            .find(|t| std::ffi::CStr::from_ptr(t.tgname).to_bytes() == name.as_bytes() && !t.tgisclone)
             .map(|t| {
                 let function = pg_sys::get_func_name(t.tgfoid);
                 !function.is_null() && std::ffi::CStr::from_ptr(function).to_bytes() == b"attached_insert"
@@ -103,12 +107,12 @@ fn named_trigger(relid: pg_sys::Oid) -> Option<bool> {
 
 /// Does table `relid` exist and carry the attachment trigger itself?
 fn has_trigger(relid: pg_sys::Oid) -> bool {
-    named_trigger(relid) == Some(true)
+    named_trigger(relid, TRIGGER) == Some(true)
 }
 
-/// Has table `relid` a trigger of someone else's named `TRIGGER` (attach() must not replace it)?
-pub fn foreign_trigger(relid: pg_sys::Oid) -> bool {
-    named_trigger(relid) == Some(false)
+/// Has table `relid` a trigger of someone else's named `name` (attach() must not replace it)?
+pub fn foreign_trigger(relid: pg_sys::Oid, name: &str) -> bool {
+    named_trigger(relid, name) == Some(false)
 }
 
 /// Removes the stale attachments (see the module comment) and returns their tables. A row another transaction

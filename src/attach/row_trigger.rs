@@ -4,12 +4,12 @@
 //! columns) make an entry stale (`relcache`); it is rebuilt at the next row.
 
 use super::key::Key;
-use super::{OnDuplicate, TRIGGER};
+use super::{batch, OnDuplicate, TRIGGER};
 use crate::errors::{internal, raise};
 use crate::inbox::{self, Access};
 use crate::relcache::{self, Stale};
 use crate::shmem::Counter;
-use crate::{input, mark};
+use crate::{gate, input, mark};
 use pgrx::prelude::*;
 use std::cell::Cell;
 use std::rc::Rc;
@@ -20,6 +20,8 @@ struct Attached {
     inbox: String,
     ttl: Option<Interval>,
     on_duplicate: OnDuplicate,
+    /// Certainly-new keys wait in memory for a flush (`batch`).
+    batched: bool,
     key: Key,
     stale: Stale,
     /// `FUNCTIONS` when the key was compiled.
@@ -68,7 +70,8 @@ unsafe fn load(rel: pg_sys::Relation) -> Attached {
     }));
     // What a hint names: the table at the top of the partition tree, where the trigger was made.
     let top = tables.last().and_then(|t| crate::catalog::qualified_name(*t)).unwrap_or_else(|| table.clone());
-    let Some(super::registry::Attachment { tbl, key, inbox, ttl, on_duplicate }) = super::registry::first_of(&tables)
+    let Some(super::registry::Attachment { tbl, key, inbox, ttl, on_duplicate, batched }) =
+        super::registry::first_of(&tables)
     else {
         raise(
             PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
@@ -90,7 +93,7 @@ unsafe fn load(rel: pg_sys::Relation) -> Attached {
             )
         })
     };
-    Attached { table, inbox, ttl, on_duplicate, key, stale: Stale::of(relid), functions: FUNCTIONS.get() }
+    Attached { table, inbox, ttl, on_duplicate, batched, key, stale: Stale::of(relid), functions: FUNCTIONS.get() }
 }
 
 /// The cached attachment of the trigger's table, (re)built when missing or stale.
@@ -142,7 +145,7 @@ thread_local! {
 }
 
 /// Is this process logical replication's apply?
-fn in_apply_worker() -> bool {
+pub(super) fn in_apply_worker() -> bool {
     // SAFETY: reads the background worker entry of this process (NULL in a backend).
     unsafe {
         let entry = pg_sys::MyBgworkerEntry;
@@ -218,21 +221,27 @@ fn moving_in(relid: pg_sys::Oid) -> bool {
 /// the attachment's inbox, with the inserting role's rights, and lets the row through if the key is new; drops it
 /// (`'skip'`) or raises an error (`'error'`) if it is a duplicate. Updates and deletes are not deduplicated, and run
 /// no key: on a partition, where the old version of the row is is noted (`Leaving`), so that a row moving to another
-/// partition is not taken for a duplicate of itself.
+/// partition is not taken for a duplicate of itself. A batched attachment (`batch`) also has it AFTER INSERT, for
+/// each statement: the statement's remembered keys go into their inboxes.
 #[pg_trigger]
 fn attached_insert<'a>(
     trigger: &'a pgrx::PgTrigger<'a>,
 ) -> Result<Option<PgHeapTuple<'a, AllocatedByPostgres>>, pgrx::heap_tuple::PgHeapTupleError> {
     let data = trigger.trigger_data();
     let event = data.tg_event;
-    let row_before = event & pg_sys::TRIGGER_EVENT_ROW != 0
-        && event & pg_sys::TRIGGER_EVENT_TIMINGMASK == pg_sys::TRIGGER_EVENT_BEFORE;
+    let timing = event & pg_sys::TRIGGER_EVENT_TIMINGMASK;
+    let row = event & pg_sys::TRIGGER_EVENT_ROW != 0;
     let operation = event & pg_sys::TRIGGER_EVENT_OPMASK;
-    if !row_before || operation == pg_sys::TRIGGER_EVENT_TRUNCATE {
+    if !row && timing == pg_sys::TRIGGER_EVENT_AFTER && operation == pg_sys::TRIGGER_EVENT_INSERT {
+        batch::flush_all();
+        return Ok(None);
+    }
+    if !row || timing != pg_sys::TRIGGER_EVENT_BEFORE || operation == pg_sys::TRIGGER_EVENT_TRUNCATE {
         raise(
             PgSqlErrorCode::ERRCODE_E_R_I_E_TRIGGER_PROTOCOL_VIOLATED,
-            "dedup.attached_insert() must fire BEFORE INSERT OR UPDATE OR DELETE, FOR EACH ROW",
-            "Use dedup.attach() to set it up; it creates the trigger as it must be.",
+            "dedup.attached_insert() must fire BEFORE INSERT OR UPDATE OR DELETE, FOR EACH ROW (or, for a batched \
+             attachment, AFTER INSERT, FOR EACH STATEMENT)",
+            "Use dedup.attach() to set it up; it creates the triggers as they must be.",
         )
     }
     // SAFETY: a BEFORE row trigger's relation is open.
@@ -257,9 +266,7 @@ fn attached_insert<'a>(
         let attached = attached(data.tg_relation);
         attached.key.eval(data.tg_trigslot, &attached.table, |key| {
             let key = input::key_of_row(key, &attached.table);
-            let inbox = inbox::open(&attached.inbox, Access::Mark);
-            let new = mark::mark_ids(&inbox, &[key], attached.ttl)[0];
-            inbox.count(if new { Counter::RowsPassed } else { Counter::RowsDropped }, 1);
+            let new = if attached.batched { mark_batched(&attached, key) } else { mark_now(&attached, key) };
             if !new && attached.on_duplicate == OnDuplicate::Error {
                 raise(
                     PgSqlErrorCode::ERRCODE_UNIQUE_VIOLATION,
@@ -274,4 +281,30 @@ fn attached_insert<'a>(
         })
     };
     Ok(if new { trigger.new() } else { None })
+}
+
+/// Marks a row's key at once; whether it was new.
+fn mark_now(attached: &Attached, key: &str) -> bool {
+    let inbox = inbox::open(&attached.inbox, Access::Mark);
+    let new = mark::mark_ids(&inbox, &[key], attached.ttl)[0];
+    inbox.count(if new { Counter::RowsPassed } else { Counter::RowsDropped }, 1);
+    new
+}
+
+/// Marks a row's key for a batched attachment: remembered for the flush when the filter vouches for it, a duplicate
+/// when it is remembered already, else marked at once; whether it was new.
+fn mark_batched(attached: &Attached, key: &str) -> bool {
+    let inbox = inbox::open_unflushed(&attached.inbox, Access::Mark);
+    let remembered = batch::remembered(&inbox, key);
+    let new = if remembered == Some(true) {
+        inbox.count(Counter::Duplicates, 1);
+        false
+    } else if remembered == Some(false) || (batch::may_wait(&inbox) && gate::certainly_new(&inbox, key) == Some(true)) {
+        batch::remember(&inbox, key, attached.ttl);
+        true
+    } else {
+        mark::mark_ids(&inbox, &[key], attached.ttl)[0]
+    };
+    inbox.count(if new { Counter::RowsPassed } else { Counter::RowsDropped }, 1);
+    new
 }

@@ -35,24 +35,45 @@ pub fn insert(inbox: &Inbox, ids: &[&str], row: &Row) -> usize {
     if !inbox.shape().plain {
         return 0;
     }
+    let values = Values::of(row);
+    with_table(inbox, |rel| {
+        if ids.len() >= MIN_IDS && xact::has_room() && insert_all(rel, inbox.ns, ids, &values) {
+            ids.len()
+        } else {
+            // SAFETY: the table is open, with RowExclusiveLock, and its shape `plain`.
+            unsafe { insert_each(rel, inbox.ns, ids, &values) }
+        }
+    })
+}
+
+/// Inserts all of `ids` (sorted, distinct, certainly new to the inbox as far as the caller knows; the table's shape
+/// `plain`) with the values of `row`, in one multi-insert and without a subtransaction: an id that has a row after
+/// all raises unique_violation (after waiting for a transaction still inserting it), and the caller's statement
+/// fails with it. For the flush of a batched attachment (`attach::batch`), whose rows are already in.
+pub fn insert_new(inbox: &Inbox, ids: &[&str], row: &Row) {
+    let values = Values::of(row);
+    with_table(inbox, |rel| {
+        // SAFETY: the table is open, with RowExclusiveLock, and (the caller vouches) its shape `plain`.
+        unsafe { write_rows(rel, inbox.ns, ids, &values) };
+        ids.len()
+    });
+}
+
+/// Runs `write` on the inbox's table, open with RowExclusiveLock, and makes the rows it wrote (it returns how many)
+/// visible to the rest of the transaction.
+fn with_table(inbox: &Inbox, write: impl FnOnce(pg_sys::Relation) -> usize) -> usize {
     // SAFETY: the inbox was opened (and locked) by this transaction; the relation is closed below.
     let rel = unsafe { pg_sys::table_open(inbox.relid, pg_sys::RowExclusiveLock as pg_sys::LOCKMODE) };
-    let values = Values::of(row);
-    let inserted = if ids.len() >= MIN_IDS && xact::has_room() && insert_all(rel, inbox.ns, ids, &values) {
-        ids.len()
-    } else {
-        // SAFETY: as above, and the table qualified.
-        unsafe { insert_each(rel, inbox.ns, ids, &values) }
-    };
+    let written = write(rel);
     // SAFETY: closes what was opened above, keeping the lock until the transaction ends.
     unsafe {
         pg_sys::table_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
-        if inserted > 0 {
+        if written > 0 {
             // Later statements of this call (and of the transaction) must see the rows, as after any SQL insert.
             pg_sys::CommandCounterIncrement();
         }
     }
-    inserted
+    written
 }
 
 /// All of `ids` in one multi-insert, or (when one of them has a row) none.

@@ -16,7 +16,7 @@ mod lookup;
 mod update;
 
 pub use delete::delete_expired;
-pub use insert::insert;
+pub use insert::{insert, insert_new};
 pub use lookup::{find_each, readable, Found};
 pub use update::complete_own;
 

@@ -12,8 +12,28 @@ thread_local! {
     static CACHE: relcache::Cache<String, Inbox> = relcache::Cache::default();
 }
 
-/// Finds an inbox, checks the caller's privileges on its table and locks it for `access`.
+/// Finds an inbox, checks the caller's privileges on its table and locks it for `access`. To mark or delete, the
+/// keys a batched attachment still holds in memory for it go into its table first (`attach::batch`), so that what
+/// the caller writes meets them there; reading needs no flush (`seen()` asks the batch itself), and must not write.
 pub fn open(name: &str, access: Access) -> Rc<Inbox> {
+    if access != Access::Read {
+        crate::attach::flush_batch(name);
+    }
+    open_unflushed(name, access)
+}
+
+/// The inbox for a batched attachment's flush: opened and locked for marking, its privileges not checked again
+/// (each key's inserter passed `open_unflushed` for it when the key was remembered).
+pub fn reopen(name: &str) -> Rc<Inbox> {
+    open_checked(name, Access::Mark, false)
+}
+
+/// `open`, leaving a batched attachment's keys in memory (for that attachment's own trigger).
+pub fn open_unflushed(name: &str, access: Access) -> Rc<Inbox> {
+    open_checked(name, access, true)
+}
+
+fn open_checked(name: &str, access: Access, check: bool) -> Rc<Inbox> {
     loop {
         let inbox = CACHE.with(|c| c.get(name)).unwrap_or_else(|| {
             let inbox = Rc::new(registry::load(name));
@@ -32,6 +52,9 @@ pub fn open(name: &str, access: Access) -> Rc<Inbox> {
         }
         if inbox.stale.get() {
             continue;
+        }
+        if !check {
+            return inbox;
         }
         let mask = access.acl_mask();
         // SAFETY: an ACL check of a relation that exists and is locked.

@@ -12,7 +12,7 @@ mod cache;
 mod registry;
 mod stmt;
 
-pub use cache::open;
+pub use cache::{open, open_unflushed, reopen};
 pub use registry::{all_names, create, drop, require_administrator, Dependents};
 pub use stmt::Stmt;
 
@@ -29,7 +29,7 @@ pub const SCHEMA: &str = "dedup";
 pub const DEFAULT_INBOX: &str = "default";
 
 /// What a caller is about to do with an inbox; decides the privileges checked and the lock taken.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Access {
     Read,
     Mark,
