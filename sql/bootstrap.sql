@@ -57,7 +57,8 @@ SELECT pg_catalog.pg_extension_config_dump('dedup.attempt_counts', '');
 
 -- Tables whose inserts are deduplicated (dedup.attach(), docs/ingest.md): the key expression over the table's
 -- columns, the inbox that holds the keys, their window (NULL: the inbox's default), what happens to a duplicate
--- row, and whether keys are loaded in batches. `tbl` is a regclass, so pg_dump writes the table's name and a restore finds the new table by it.
+-- row, and whether keys are loaded in batches (dedup.attach_batched()). `tbl` is a regclass, so pg_dump writes the
+-- table's name and a restore finds the new table by it.
 CREATE TABLE dedup.attachment_registry (
     tbl          pg_catalog.regclass PRIMARY KEY,
     key          text NOT NULL,
