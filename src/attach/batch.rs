@@ -104,7 +104,7 @@ pub fn remember(inbox: &Inbox, key: &str, ttl: Option<Interval>) {
         keys.len() >= FLUSH_AT
     });
     if full {
-        flush_keys(inbox, take(&inbox.name));
+        flush_keys(inbox);
     }
 }
 
@@ -138,29 +138,46 @@ fn window_end(inbox: &Inbox, ttl: Option<Interval>) -> TimestampWithTimeZone {
     ends
 }
 
-/// The keys remembered for inbox `name`, no longer remembered.
-fn take(name: &str) -> Keys {
-    PENDING.with(|p| {
+/// The keys remembered for inbox `name`, no longer remembered; those remembered before the current subtransaction
+/// began are logged in FLUSHED first, so that, should it roll back while their rows stay, they are remembered again
+/// (what their flush wrote, or a drop of the inbox, rolls back with it). Pure Rust, so nothing can fail between the
+/// taking and the logging.
+fn take_logged(name: &str) -> Keys {
+    let keys = PENDING.with(|p| {
         let mut p = p.borrow_mut();
         p.iter().position(|(n, _)| n == name).map(|at| p.swap_remove(at).1).unwrap_or_default()
-    })
+    });
+    // SAFETY: reads the current subtransaction's id.
+    let now_in = unsafe { pg_sys::GetCurrentSubTransactionId() };
+    FLUSHED.with(|f| {
+        f.borrow_mut().extend(keys.iter().filter(|(_, r)| r.by < now_in).map(|(key, r)| Flushed {
+            inbox: name.to_owned(),
+            key: key.clone(),
+            remembered: *r,
+            in_sub: now_in,
+        }))
+    });
+    keys
+}
+
+fn has_keys(name: &str) -> bool {
+    PENDING.with(|p| p.borrow().iter().any(|(n, keys)| n == name && !keys.is_empty()))
 }
 
 /// Flushes the keys remembered for inbox `name`, if any (for `inbox::open`: whatever this transaction writes to
 /// the inbox next must find them in its table).
 pub fn flush(name: &str) {
-    let keys = take(name);
-    if !keys.is_empty() {
+    if has_keys(name) {
         // The caller's rights were checked when each key was remembered (the row's inserter); whoever runs now
         // (a commit after RESET ROLE, another table's statement trigger) needs none.
-        flush_keys(&inbox::reopen(name), keys);
+        flush_keys(&inbox::reopen(name));
     }
 }
 
 /// Forgets the keys remembered for inbox `name`, which is being dropped (for `drop_inbox()`): its marks go too.
+/// Logged as a flush would log them: a rollback of the drop brings them back.
 pub fn forget(name: &str) {
-    take(name);
-    FLUSHED.with(|f| f.borrow_mut().retain(|flushed| flushed.inbox != name));
+    take_logged(name);
 }
 
 /// Flushes every inbox's remembered keys (at a statement's end, and before the transaction commits).
@@ -170,9 +187,10 @@ pub fn flush_all() {
     }
 }
 
-/// Inserts `keys` into `inbox`, sorted, window by window. A key that has a row after all (another transaction's,
-/// committed while this one had it in memory) fails the statement.
-fn flush_keys(inbox: &Inbox, keys: Keys) {
+/// Inserts the keys remembered for `inbox` into it, sorted, window by window. A key that has a row after all
+/// (another transaction's, committed while this one had it in memory) fails the statement. What can fail before
+/// the insert is checked before the keys are taken.
+fn flush_keys(inbox: &Inbox) {
     if !inbox.shape().plain {
         // Only this transaction's own DDL can have changed the table since its keys were remembered (everyone
         // else's waits for our lock).
@@ -182,18 +200,7 @@ fn flush_keys(inbox: &Inbox, keys: Keys) {
             "Alter the inbox's table in a transaction of its own.",
         )
     }
-    // Before anything is written: should the marks be undone with a subtransaction their rows outlive (this one,
-    // by an error caught in a PL/pgSQL block, or a later ROLLBACK TO SAVEPOINT), the keys are remembered again.
-    // SAFETY: reads the current subtransaction's id.
-    let now_in = unsafe { pg_sys::GetCurrentSubTransactionId() };
-    FLUSHED.with(|f| {
-        f.borrow_mut().extend(keys.iter().filter(|(_, r)| r.by < now_in).map(|(key, r)| Flushed {
-            inbox: inbox.name.clone(),
-            key: key.clone(),
-            remembered: *r,
-            in_sub: now_in,
-        }))
-    });
+    let keys = take_logged(&inbox.name);
     let mut sorted: Vec<(&str, pg_sys::TimestampTz)> = keys.iter().map(|(k, r)| (&**k, r.ends)).collect();
     sorted.sort_unstable_by(|a, b| a.1.cmp(&b.1).then(a.0.cmp(b.0)));
     // SAFETY: reads and sets the backend's active snapshot: at commit there may be none, and the index entries of
