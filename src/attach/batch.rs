@@ -440,6 +440,19 @@ mod tests {
     }
 
     #[pg_test]
+    fn batch_keys_of_a_rolled_back_drop_inbox_are_remembered_again() {
+        batched_partitions("bat_drop");
+        run("INSERT INTO bat_drop_1 VALUES ('d1', 1); SELECT dedup.detach('bat_drop')");
+        rolled_back(|| run("SELECT dedup.drop_inbox('bat_drop')"));
+        run("SELECT dedup.mark('x', NULL, 'bat_drop')");
+        assert_eq!(
+            column("SELECT id FROM dedup.inbox_bat_drop ORDER BY id"),
+            ["d1", "x"],
+            "d1's row stayed, and its mark"
+        );
+    }
+
+    #[pg_test]
     fn batch_seen_answers_for_remembered_keys_without_writing() {
         batched_partitions("bat_seen");
         run("INSERT INTO bat_seen_1 VALUES ('w1', 1)");
