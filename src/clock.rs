@@ -23,11 +23,31 @@ pub fn expiry(now: TimestampWithTimeZone, ttl: Interval) -> TimestampWithTimeZon
     .expect("timestamptz + interval is never NULL")
 }
 
+/// Is `a` later than `b`? A timestamptz is an i64 of microseconds (its infinities at the ends of the range), and
+/// Postgres's own `timestamp_cmp` compares exactly that; pgrx's `Ord` calls it through fmgr, about 500
+/// instructions a comparison: a duplicate `mark()` does one, a `claim()` several.
+pub fn later(a: TimestampWithTimeZone, b: TimestampWithTimeZone) -> bool {
+    pg_sys::TimestampTz::from(a) > pg_sys::TimestampTz::from(b)
+}
+
 #[cfg(any(test, feature = "pg_test"))]
 #[pg_schema]
 mod tests {
     use crate::testing::*;
     use pgrx::prelude::*;
+
+    #[pg_test]
+    fn clock_later_orders_as_postgres_does() {
+        let at = |sql: &str| one::<TimestampWithTimeZone>(&format!("SELECT {sql}::timestamptz"));
+        let points =
+            ["'-infinity'", "'1999-12-31 23:59:59.999999+00'", "'2000-01-01 00:00:00+00'", "now()", "'infinity'"];
+        for a in points {
+            for b in points {
+                let postgres = one::<bool>(&format!("SELECT {a}::timestamptz > {b}::timestamptz"));
+                assert_eq!(super::later(at(a), at(b)), postgres, "{a} > {b}");
+            }
+        }
+    }
 
     #[pg_test]
     fn clock_now_is_the_start_of_the_statement() {

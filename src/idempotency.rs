@@ -13,7 +13,7 @@
 //!
 //! A live key reused with another fingerprint is refused with SQLSTATE PD001 (an expired one is simply taken over).
 
-use crate::clock::{expiry, statement_now};
+use crate::clock::{expiry, later, statement_now};
 use crate::direct::{self, Found, Row};
 use crate::errors::{raise, raise_with_sqlstate, sqlstate};
 use crate::inbox::{self, Access, Inbox, Stmt};
@@ -102,11 +102,11 @@ fn claim_key(inbox: &Inbox, id: &str, row: &Row, now: TimestampWithTimeZone, wai
             held = !wait;
             continue;
         };
-        let live = found.expires_at > now;
+        let live = later(found.expires_at, now);
         if live {
             check_fingerprint(inbox, id, &found, row.fingerprint);
             match (found.completed, found.lease_until) {
-                (Some(false), Some(until)) if until > now => return Answer::InProgress,
+                (Some(false), Some(until)) if later(until, now) => return Answer::InProgress,
                 (Some(false), Some(_)) => {} // the lease passed
                 (Some(false), None) if found.mine => return Answer::InProgress,
                 _ => return Answer::Completed(found.result),
@@ -155,7 +155,7 @@ fn claim(
     let now = statement_now();
     let expires_at = expiry(now, ttl.unwrap_or(inbox.default_ttl));
     let lease_until = lease.map(|lease| expiry(now, lease));
-    if lease_until.is_some_and(|until| until > expires_at) {
+    if lease_until.is_some_and(|until| later(until, expires_at)) {
         raise(
             PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE,
             "lease must not outlast the key's window (ttl)",
@@ -201,8 +201,9 @@ fn complete(id: Option<&str>, result: default!(Option<Jsonb>, "NULL"), inbox: de
             "Claim it with dedup.claim() first, in this transaction or with a lease.",
         )
     };
-    let holds = found.completed == Some(false) && (found.mine || found.lease_until.is_some_and(|until| until > now));
-    if found.expires_at <= now {
+    let holds =
+        found.completed == Some(false) && (found.mine || found.lease_until.is_some_and(|until| later(until, now)));
+    if !later(found.expires_at, now) {
         not_in_progress("expired".into(), "Its window (ttl) ended before complete(); claim it again.")
     } else if found.completed.is_none() {
         not_in_progress("was marked, not claimed".into(), "Use dedup.claim() for keys whose result you store.")

@@ -41,5 +41,8 @@ pub fn find(inbox: &Inbox, ids: &[&str]) -> Vec<Option<Found>> {
 
 /// The row of `id` (None: it has none).
 pub fn find_one(inbox: &Inbox, id: &str) -> Option<Found> {
+    if direct::readable(inbox) {
+        return direct::find_one(inbox, id);
+    }
     find(inbox, &[id]).pop().flatten()
 }

@@ -22,7 +22,9 @@ pub struct Found {
     pub result: Option<Jsonb>,
     pub lease_until: Option<TimestampWithTimeZone>,
     pub completed: Option<bool>,
-    /// Written by this transaction (or one of its subtransactions): its claim, not committed yet.
+    /// A claim in progress (`completed` false) written by this transaction (or one of its subtransactions): its
+    /// claim, not committed yet. Read directly, it is looked up only for claims in progress (false for any other
+    /// row), the only rows whose writer anything asks about.
     pub mine: bool,
 }
 
@@ -32,6 +34,15 @@ pub fn readable(inbox: &Inbox) -> bool {
     inbox.shape().plain && inbox.shape().pkey != pg_sys::InvalidOid
 }
 
+/// The row of `id`: `find_each` of one id (a single mark, claim or seen), without the list.
+pub fn find_one(inbox: &Inbox, id: &str) -> Option<Found> {
+    assert!(readable(inbox), "direct lookup of an inbox that needs the executor");
+    // SAFETY: as `with_scan` requires, the inbox is readable and was opened by this transaction. The scan, slot and
+    // snapshot are freed again as they end, and what stays behind (a scan key, a few hundred bytes) goes with the
+    // caller's context: a context of its own would cost a tenth of a duplicate mark's work (callgrind).
+    unsafe { with_scan(inbox, pg_sys::CurrentMemoryContext, |scan| scan.one(id)) }
+}
+
 /// The row of each of `ids`, in order, read with one snapshot.
 ///
 /// Ids in ascending byte order (what `mark()`'s algorithm probes) are found by walking the index forward from the
@@ -39,54 +50,92 @@ pub fn readable(inbox: &Inbox) -> bool {
 /// any other list is looked up id by id.
 pub fn find_each(inbox: &Inbox, ids: &[&str]) -> Vec<Option<Found>> {
     assert!(readable(inbox), "direct lookup of an inbox that needs the executor");
-    // The scan, its keys and whatever the index allocates go into a context of their own, gone when this returns
-    // (a `mark_many()` of a million duplicates looks up ten thousand ids at a time); the rows found are copied
-    // into the caller's.
-    let mut scratch = PgMemoryContexts::new("dedup lookup");
-    // SAFETY: the table was opened and locked by this transaction (`inbox::open`); the index is locked here. Every
-    // pointer below lives until the matching end/close/drop, all before returning; the values copied out of the
-    // slot are copied before the slot lets go of its buffer.
+    // SAFETY: as `with_scan` requires. The scan, its keys and whatever the index allocates go into a context of
+    // their own, gone when this returns (a `mark_many()` of a million duplicates looks up ten thousand ids at a
+    // time); the rows found are copied into the caller's.
     unsafe {
         let caller = pg_sys::CurrentMemoryContext;
-        scratch.switch_to(|_| {
-            // What SPI does before a statement: this transaction's own changes so far become visible (a no-op
-            // when there are none), and a snapshot is taken (a fresh one under READ COMMITTED).
-            pg_sys::CommandCounterIncrement();
-            let rel = pg_sys::table_open(inbox.relid, pg_sys::NoLock as pg_sys::LOCKMODE);
-            let index = pg_sys::index_open(inbox.shape().pkey, pg_sys::AccessShareLock as pg_sys::LOCKMODE);
-            let snapshot = pg_sys::RegisterSnapshot(pg_sys::GetTransactionSnapshot());
-            let slot = pg_sys::table_slot_create(rel, std::ptr::null_mut());
-            let copy = |slot| {
-                let scratch = pg_sys::MemoryContextSwitchTo(caller);
-                let row = read(slot);
-                pg_sys::MemoryContextSwitchTo(scratch);
-                row
-            };
-            let scan = ports::index_beginscan(rel, index, snapshot, 1);
-            let one = |id: &str| {
-                let mut key = scan_key(index, pg_sys::BTEqualStrategyNumber, pg_sys::F_TEXTEQ, id);
-                pg_sys::index_rescan(scan, &mut key, 1, std::ptr::null_mut(), 0);
-                pg_sys::index_getnext_slot(scan, pg_sys::ScanDirection::ForwardScanDirection, slot).then(|| copy(slot))
-            };
+        PgMemoryContexts::new("dedup lookup").switch_to(|_| with_scan(inbox, caller, |scan| scan.each(ids)))
+    }
+}
+
+/// An equality scan of an inbox's primary key under one snapshot, with the slot its rows are read into.
+struct Scan {
+    rel: pg_sys::Relation,
+    index: pg_sys::Relation,
+    snapshot: pg_sys::Snapshot,
+    slot: *mut pg_sys::TupleTableSlot,
+    scan: pg_sys::IndexScanDesc,
+    /// Where the rows found are copied to.
+    caller: pg_sys::MemoryContext,
+}
+
+/// Runs `f` with a `Scan` of `inbox`, ended again before returning.
+///
+/// # Safety
+/// `inbox` must be `readable`, opened and locked by this transaction; `caller` a live memory context.
+unsafe fn with_scan<R>(inbox: &Inbox, caller: pg_sys::MemoryContext, f: impl FnOnce(&Scan) -> R) -> R {
+    // SAFETY: the table was opened and locked by this transaction (`inbox::open`); the index is locked here. Every
+    // pointer lives until the matching end/close/drop, all before returning.
+    unsafe {
+        // What SPI does before a statement: this transaction's own changes so far become visible (a no-op
+        // when there are none), and a snapshot is taken (a fresh one under READ COMMITTED).
+        pg_sys::CommandCounterIncrement();
+        let rel = pg_sys::table_open(inbox.relid, pg_sys::NoLock as pg_sys::LOCKMODE);
+        let index = pg_sys::index_open(inbox.shape().pkey, pg_sys::AccessShareLock as pg_sys::LOCKMODE);
+        let snapshot = pg_sys::RegisterSnapshot(pg_sys::GetTransactionSnapshot());
+        let slot = pg_sys::table_slot_create(rel, std::ptr::null_mut());
+        let scan = ports::index_beginscan(rel, index, snapshot, 1);
+        let found = f(&Scan { rel, index, snapshot, slot, scan, caller });
+        pg_sys::ExecDropSingleTupleTableSlot(slot);
+        pg_sys::index_endscan(scan);
+        pg_sys::UnregisterSnapshot(snapshot);
+        pg_sys::index_close(index, pg_sys::NoLock as pg_sys::LOCKMODE);
+        pg_sys::table_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
+        found
+    }
+}
+
+impl Scan {
+    /// The visible row the slot holds, copied into the caller's memory context (before the slot lets go of its
+    /// buffer).
+    fn copy(&self) -> Found {
+        // SAFETY: the slot holds a row just fetched; both contexts are live.
+        unsafe {
+            let scratch = pg_sys::MemoryContextSwitchTo(self.caller);
+            let row = read(self.slot);
+            pg_sys::MemoryContextSwitchTo(scratch);
+            row
+        }
+    }
+
+    /// The row of `id`: one descent.
+    fn one(&self, id: &str) -> Option<Found> {
+        // SAFETY: the scan is open on the primary key (one text column) under the registered snapshot.
+        unsafe {
+            let mut key = scan_key(self.index, pg_sys::BTEqualStrategyNumber, pg_sys::F_TEXTEQ, id);
+            pg_sys::index_rescan(self.scan, &mut key, 1, std::ptr::null_mut(), 0);
+            pg_sys::index_getnext_slot(self.scan, pg_sys::ScanDirection::ForwardScanDirection, self.slot)
+                .then(|| self.copy())
+        }
+    }
+
+    /// The rows of `ids`, in order: walked where they are ascending, else one by one.
+    fn each(&self, ids: &[&str]) -> Vec<Option<Found>> {
+        // SAFETY: as for `one`; the range scan ends before returning.
+        unsafe {
             // Byte order is the index's order only under the "C" collation (every inbox's; checked all the same).
-            let walkable = *(*index).rd_indcollation == pg_sys::C_COLLATION_OID
+            let walkable = *(*self.index).rd_indcollation == pg_sys::C_COLLATION_OID
                 && ids.len() > 1
                 && ids.windows(2).all(|pair| pair[0].as_bytes() < pair[1].as_bytes());
-            let found = if walkable {
-                let range = ports::index_beginscan(rel, index, snapshot, 2);
-                let found = walk(range, slot, ids, copy, one);
-                pg_sys::index_endscan(range);
-                found
-            } else {
-                ids.iter().map(|id| one(id)).collect()
-            };
-            pg_sys::ExecDropSingleTupleTableSlot(slot);
-            pg_sys::index_endscan(scan);
-            pg_sys::UnregisterSnapshot(snapshot);
-            pg_sys::index_close(index, pg_sys::NoLock as pg_sys::LOCKMODE);
-            pg_sys::table_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
+            if !walkable {
+                return ids.iter().map(|id| self.one(id)).collect();
+            }
+            let range = ports::index_beginscan(self.rel, self.index, self.snapshot, 2);
+            let found = walk(range, self.slot, ids, |_| self.copy(), |id| self.one(id));
+            pg_sys::index_endscan(range);
             found
-        })
+        }
     }
 }
 
@@ -228,15 +277,23 @@ unsafe fn scan_key(index: pg_sys::Relation, strategy: u32, procedure: u32, id: &
 unsafe fn read(slot: *mut pg_sys::TupleTableSlot) -> Found {
     // SAFETY: the caller vouches for the slot; attribute numbers 2..6 are the row type's columns.
     unsafe {
-        let column = |attnum: i32| {
-            let mut null = false;
-            let datum = pg_sys::slot_getattr(slot, attnum, &mut null);
-            (!null).then_some(datum)
+        // Every column deformed at once: one call into Postgres rather than one per column.
+        pg_sys::slot_getsomeattrs(slot, crate::inbox::COLUMNS.len() as i32);
+        let column = |attnum: usize| {
+            let i = attnum - 1;
+            (!*(*slot).tts_isnull.add(i)).then(|| *(*slot).tts_values.add(i))
         };
-        let mut null = false;
-        let getsysattr = (*(*slot).tts_ops).getsysattr.expect("a heap slot has system columns");
-        let xmin =
-            pg_sys::ffi::pg_guard_ffi_boundary(|| getsysattr(slot, pg_sys::MinTransactionIdAttributeNumber, &mut null));
+        let completed = column(6).map(|d| d.value() != 0);
+        // Who wrote the row matters only for a claim in progress (see `Found::mine`); asking costs two calls into
+        // Postgres, a duplicate mark's largest avoidable share after the lookup itself.
+        let mine = completed == Some(false) && {
+            let mut null = false;
+            let getsysattr = (*(*slot).tts_ops).getsysattr.expect("a heap slot has system columns");
+            let xmin = pg_sys::ffi::pg_guard_ffi_boundary(|| {
+                getsysattr(slot, pg_sys::MinTransactionIdAttributeNumber, &mut null)
+            });
+            pg_sys::TransactionIdIsCurrentTransactionId(pg_sys::TransactionId::from(xmin.value() as u32))
+        };
         Found {
             tid: Some((*slot).tts_tid),
             expires_at: column(2).and_then(|d| TimestampWithTimeZone::from_datum(d, false)).expect("NOT NULL"),
@@ -244,8 +301,8 @@ unsafe fn read(slot: *mut pg_sys::TupleTableSlot) -> Found {
             // A detoasted copy: the slot's value points into a shared buffer.
             result: column(4).map(|d| Jsonb::copy_of(d)),
             lease_until: column(5).and_then(|d| TimestampWithTimeZone::from_datum(d, false)),
-            completed: column(6).map(|d| d.value() != 0),
-            mine: pg_sys::TransactionIdIsCurrentTransactionId(pg_sys::TransactionId::from(xmin.value() as u32)),
+            completed,
+            mine,
         }
     }
 }

@@ -17,7 +17,7 @@ mod update;
 
 pub use delete::delete_expired;
 pub use insert::{insert, insert_new};
-pub use lookup::{find_each, readable, Found};
+pub use lookup::{find_each, find_one, readable, Found};
 pub use update::complete_own;
 
 use crate::jsonb::Jsonb;

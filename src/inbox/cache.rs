@@ -35,19 +35,23 @@ pub fn open_unflushed(name: &str, access: Access) -> Rc<Inbox> {
 
 fn open_checked(name: &str, access: Access, check: bool) -> Rc<Inbox> {
     loop {
-        let inbox = CACHE.with(|c| c.get(name)).unwrap_or_else(|| {
+        let cached = CACHE.with(|c| c.get(name));
+        let loaded = cached.is_none();
+        let inbox = cached.unwrap_or_else(|| {
             let inbox = Rc::new(registry::load(name));
             CACHE.with(|c| c.insert(name.to_owned(), inbox.clone()));
             inbox
         });
         // Lock as the executor would, before running any plan. Taking the lock waits for a transaction dropping
         // or creating the table to finish, and then processes its invalidations: an inbox dropped concurrently
-        // shows up here as stale, or as a table that no longer exists (when it went before this backend
-        // cached it), and the loop looks it up again (then: "does not exist"), instead of a raw error deep inside
-        // a cached plan or the privilege check.
+        // shows up here as stale (its table's invalidation, or a lost one's reset, reached the entry), or, when
+        // it went after the registry was read for a fresh entry, as a table that no longer exists; the loop then
+        // looks it up again (then: "does not exist"), instead of a raw error deep inside a cached plan or the
+        // privilege check. (A cached entry needs no such catalog lookup on every call: its table's drop reaches
+        // it as an invalidation.)
         // SAFETY: locks a relation by oid (held until the transaction ends).
         unsafe { pg_sys::LockRelationOid(inbox.relid, access.lock_mode()) };
-        if !crate::catalog::relation_exists(inbox.relid) {
+        if loaded && !crate::catalog::relation_exists(inbox.relid) {
             inbox.stale.set();
         }
         if inbox.stale.get() {

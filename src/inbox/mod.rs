@@ -79,7 +79,7 @@ pub struct Inbox {
 }
 
 /// The columns of `dedup.inbox_row`, in order: a mark fills the first two, a claim (`idempotency`) the rest.
-const COLUMNS: [(&str, pg_sys::Oid); 6] = [
+pub(crate) const COLUMNS: [(&str, pg_sys::Oid); 6] = [
     ("id", pg_sys::TEXTOID),
     ("expires_at", pg_sys::TIMESTAMPTZOID),
     ("fingerprint", pg_sys::TEXTOID),
