@@ -6,7 +6,7 @@
 //!
 //! BENCH_QUICK=1 runs fewer rounds on smaller inputs (about four minutes); BENCH_ONLY=clients,growth runs only the
 //! sections named (filter, expiry, clients, attempts, idempotency, ingest, instructions, citus, restart, growth)
-//! and writes no results files; BENCH_VERBOSE=1 prints every client-side run.
+//! and writes its results beside the full run's, in bench/results/only/<sections>/ (latest.* stay the full run's); BENCH_VERBOSE=1 prints every client-side run.
 
 mod attempts;
 mod chart;
@@ -229,7 +229,7 @@ fn main() {
             callgrind_calls: 1000,
         }
     };
-    // BENCH_ONLY=clients,growth runs only those sections (and writes no results files).
+    // BENCH_ONLY=clients,growth runs only those sections (its results go to results/only/clients+growth/).
     let only = std::env::var("BENCH_ONLY").ok();
     let runs = |section: &str| only.as_deref().is_none_or(|o| o.split(',').any(|s| s.trim() == section));
     let cluster = Cluster::start(&[
@@ -282,11 +282,13 @@ fn main() {
 
     let machine = machine::describe(&mut c, quick, &scale);
     report::print(&rows, &machine);
-    if only.is_none() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("results");
-        report::write(&dir, &rows, &curve, &machine).expect("write results");
-        println!("\nwritten to {}/latest.{{json,md,svg}}", dir.display());
+    let mut dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("results");
+    if let Some(only) = &only {
+        let sections: Vec<&str> = only.split(',').map(str::trim).filter(|s| !s.is_empty()).collect();
+        dir = dir.join("only").join(sections.join("+"));
     }
+    report::write(&dir, &rows, &curve, &machine).expect("write results");
+    println!("\nwritten to {}/latest.{{json,md,svg}}", dir.display());
     eprintln!("[bench] total: {:.0} s", started.elapsed().as_secs_f64());
     drop(c);
     cluster.destroy();
