@@ -18,7 +18,7 @@
 //! waits for it, then compares with what it committed, so two calls never both return true for the same or a
 //! lower position.
 
-use crate::clock::{expiry, statement_now};
+use crate::clock::{expiry, later, statement_now};
 use crate::errors::{internal, raise};
 use crate::inbox::{self, Access, Inbox};
 use crate::input;
@@ -98,7 +98,7 @@ fn stored(function: &str, inbox: &Inbox, key: &str) -> Option<(i64, TimestampWit
 pub fn advance_key(inbox: &Inbox, key: &str, position: i64, ttl: Option<Interval>) -> bool {
     let now = statement_now();
     let ahead = match stored("advance", inbox, key) {
-        Some((current, expires_at)) if expires_at > now && current >= position => false,
+        Some((current, expires_at)) if later(expires_at, now) && current >= position => false,
         _ => {
             let expires_at = expiry(now, ttl.unwrap_or(inbox.default_ttl));
             let args = [inbox.name.as_str().into(), key.into(), position.into(), expires_at.into(), now.into()];
@@ -112,7 +112,7 @@ pub fn advance_key(inbox: &Inbox, key: &str, position: i64, ttl: Option<Interval
 /// The live position of `key` in `inbox`, None if it has none.
 pub fn position_of(inbox: &Inbox, key: &str) -> Option<i64> {
     let now = statement_now();
-    stored("position", inbox, key).filter(|(_, expires_at)| *expires_at > now).map(|(position, _)| position)
+    stored("position", inbox, key).filter(|(_, expires_at)| later(*expires_at, now)).map(|(position, _)| position)
 }
 
 /// Deletes up to `limit` positions of `inbox` that expired before `now`, skipping rows another transaction holds;

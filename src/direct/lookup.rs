@@ -132,7 +132,7 @@ impl Scan {
                 return ids.iter().map(|id| self.one(id)).collect();
             }
             let range = ports::index_beginscan(self.rel, self.index, self.snapshot, 2);
-            let found = walk(range, self.slot, ids, |_| self.copy(), |id| self.one(id));
+            let found = walk(range, self.slot, ids, || self.copy(), |id| self.one(id));
             pg_sys::index_endscan(range);
             found
         }
@@ -160,12 +160,12 @@ const MAX_BACKOFF: usize = 1024;
 ///
 /// # Safety
 /// `scan` must be a scan begun with two keys on the primary key of the table `slot` is made for, under a
-/// registered snapshot; `copy` copies a visible row out of `slot`; `one` looks up one id under the same snapshot.
+/// registered snapshot; `copy` copies the visible row `slot` holds; `one` looks up one id under the same snapshot.
 unsafe fn walk(
     scan: pg_sys::IndexScanDesc,
     slot: *mut pg_sys::TupleTableSlot,
     ids: &[&str],
-    copy: impl Fn(*mut pg_sys::TupleTableSlot) -> Found,
+    copy: impl Fn() -> Found,
     one: impl Fn(&str) -> Option<Found>,
 ) -> Vec<Option<Found>> {
     // SAFETY: the caller vouches for the scan and the slot; an entry's key is read while the scan holds it.
@@ -202,7 +202,7 @@ unsafe fn walk(
                     skipped = 0;
                     // One entry per version of the row: the first visible one is the row.
                     if found[next].is_none() && pg_sys::index_fetch_heap(scan, slot) {
-                        found[next] = Some(copy(slot));
+                        found[next] = Some(copy());
                         if next == last {
                             // Nothing more is wanted: reading on would only find the range's end (on the next
                             // leaf page, when this entry was its page's last).
