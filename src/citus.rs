@@ -28,11 +28,10 @@ pub fn installed() -> bool {
 }
 
 /// Does Citus hold table `relid`'s rows elsewhere (a distributed, reference or Citus-local table: any entry in
-/// `pg_dist_partition`)? Read from the catalog directly, with no SQL and no privilege needed.
+/// `pg_dist_partition`)? Read from the catalog directly, with no SQL and no privilege needed. Without Citus its
+/// catalog is not there, which two syscache lookups tell; asking `installed()` first would open pg_extension, and
+/// build its relcache entries, in every backend's first call (75 thousand instructions, callgrind, PG 15).
 pub fn distributed(relid: pg_sys::Oid) -> bool {
-    if !installed() {
-        return false;
-    }
     // SAFETY: looks up Citus's catalog table and its index by name (both exist where the extension does), scans the
     // index for `relid` with a catalog snapshot, and closes everything before returning.
     unsafe {

@@ -31,7 +31,7 @@ fn administered(verb: &str, name: &str) -> (pg_sys::Oid, String, Interval) {
     let inbox = inbox::open(name, Access::Delete);
     let caller = rights::caller();
     Spi::connect(|client| inbox::require_administrator(client, caller, inbox.relid, name, verb));
-    (inbox.relid, inbox.table.clone(), inbox.default_ttl)
+    (inbox.relid, inbox.table.clone(), inbox.default_ttl())
 }
 
 /// Makes inbox `name`'s table a Citus table distributed by hash on `id`, co-located with `colocate_with` (a table

@@ -153,7 +153,7 @@ fn claim(
     let lease = lease.map(input::lease);
     let inbox = inbox::open(input::inbox_name(inbox), Access::Mark);
     let now = statement_now();
-    let expires_at = expiry(now, ttl.unwrap_or(inbox.default_ttl));
+    let expires_at = expiry(now, ttl.unwrap_or_else(|| inbox.default_ttl()));
     let lease_until = lease.map(|lease| expiry(now, lease));
     if lease_until.is_some_and(|until| later(until, expires_at)) {
         raise(

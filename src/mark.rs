@@ -41,7 +41,7 @@ struct WindowEnd<'a> {
 
 impl WindowEnd<'_> {
     fn get(&self) -> TimestampWithTimeZone {
-        *self.at.get_or_init(|| expiry(statement_now(), self.ttl.unwrap_or(self.inbox.default_ttl)))
+        *self.at.get_or_init(|| expiry(statement_now(), self.ttl.unwrap_or_else(|| self.inbox.default_ttl())))
     }
 }
 

@@ -100,7 +100,7 @@ pub fn advance_key(inbox: &Inbox, key: &str, position: i64, ttl: Option<Interval
     let ahead = match stored("advance", inbox, key) {
         Some((current, expires_at)) if later(expires_at, now) && current >= position => false,
         _ => {
-            let expires_at = expiry(now, ttl.unwrap_or(inbox.default_ttl));
+            let expires_at = expiry(now, ttl.unwrap_or_else(|| inbox.default_ttl()));
             let args = [inbox.name.as_str().into(), key.into(), position.into(), expires_at.into(), now.into()];
             run("advance", Stmt::Upsert, &args, |rows| !rows.is_empty())
         }

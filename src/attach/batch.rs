@@ -133,7 +133,7 @@ fn window_end(inbox: &Inbox, ttl: Option<Interval>) -> TimestampWithTimeZone {
             return ends;
         }
     }
-    let ends = expiry(now, ttl.unwrap_or(inbox.default_ttl));
+    let ends = expiry(now, ttl.unwrap_or_else(|| inbox.default_ttl()));
     LAST.set(Some((now, inbox.relid, ttl, ends)));
     ends
 }

@@ -144,7 +144,7 @@ fn attempt(id: Option<&str>, inbox: default!(Option<&str>, "'default'")) -> i32 
     let inbox = inbox::open(input::inbox_name(inbox), Access::Mark);
     let store = store();
     let now = statement_now();
-    let expires = expiry(now, inbox.default_ttl);
+    let expires = expiry(now, inbox.default_ttl());
     let (now_us, expires_us) = (now.into_inner(), expires.into_inner());
     let count = loop {
         if let Some(count) = store.bump_held(inbox.ns, id, now_us, expires_us) {

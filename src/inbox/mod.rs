@@ -67,7 +67,8 @@ pub struct Inbox {
     pub relid: pg_sys::Oid,
     /// Schema-qualified, quoted table name, ready to splice into SQL.
     pub table: String,
-    pub default_ttl: Interval,
+    /// The TTL of a mark made without one: read from the registry when first needed (`registry::load`).
+    default_ttl: OnceCell<Interval>,
     /// The inbox's key namespace in the shared filter (database and table).
     pub ns: u64,
     /// Its state and counters in shared memory (None without preloading, or when that table is full), looked up
@@ -157,18 +158,23 @@ impl crate::relcache::Entry for Inbox {
 }
 
 impl Inbox {
-    fn new(name: &str, relid: pg_sys::Oid, table: String, default_ttl: Interval, ns: u64) -> Inbox {
+    fn new(name: &str, relid: pg_sys::Oid, table: String, default_ttl: Option<Interval>, ns: u64) -> Inbox {
         Inbox {
             name: name.to_owned(),
             relid,
             table,
-            default_ttl,
+            default_ttl: default_ttl.map(OnceCell::from).unwrap_or_default(),
             ns,
             entry: shmem::region().and_then(|r| r.entry(ns, true)),
             stale: crate::relcache::Stale::of(relid),
             plans: Default::default(),
             shape: OnceCell::new(),
         }
+    }
+
+    /// The TTL of a mark made without one. Only for an inbox returned by `open`, which locked the table.
+    pub fn default_ttl(&self) -> Interval {
+        *self.default_ttl.get_or_init(|| registry::default_ttl(&self.name))
     }
 
     /// The table's shape. Only for an inbox returned by `open`, which locked the table.

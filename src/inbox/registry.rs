@@ -43,40 +43,87 @@ fn unknown_inbox(name: &str) -> ! {
     )
 }
 
-/// Reads inbox `name` from the registry and finds its table, both through one snapshot, the latest,
-/// whatever this transaction's isolation level: so the two agree on one moment, and an inbox dropped or created
-/// while this runs is found whole or not at all ("does not exist"). (The syscache could not be trusted for this:
-/// a committing transaction is visible to snapshots a moment before its cache invalidations are sent.) "Registered
-/// but its table is missing" then means just that. The caller locks the table, which waits for its creator's
-/// commit to finish.
+/// Finds inbox `name`'s table, as the latest snapshot sees the catalogs, whatever this transaction's isolation
+/// level: an inbox dropped or created while this runs is found whole or not at all ("does not exist"). (The
+/// syscache could not be trusted for this: a committing transaction is visible to snapshots a moment before its
+/// cache invalidations are sent.) The caller locks the table, which waits for its creator's commit to finish.
+///
+/// A table of schema dedup named for the inbox and of the inbox row type is the inbox: `create` makes the two
+/// together with its registry row, and `drop` removes them together (as `catalog::inbox_tables` counts inboxes).
+/// Its default TTL is then read from the registry only when a call needs it (`Inbox::default_ttl`). Reading the
+/// registry here would build its relcache entry and its primary key's in every new backend, about 0.5 million of
+/// the 1.3 million instructions a connection's first `mark()` took beyond a `SELECT 1` (callgrind, PG 15), which
+/// connect-per-request clients pay on every request. Any other table (a Citus worker's untyped shell table, an
+/// owner's `NOT OF`) is an inbox only if the registry says so, through the same snapshot.
 pub(super) fn load(name: &str) -> Inbox {
     let registry = check_registry_readable();
-    let Some((default_ttl, relid)) = registered(registry, name) else { unknown_inbox(name) };
-    let Some(relid) = relid else {
+    let table = std::ffi::CString::new(table_name(name)).expect("validated names have no NUL");
+    let namespace = crate::catalog::dedup_namespace();
+    // SAFETY: the snapshot is registered before use and unregistered before returning.
+    let (class, default_ttl) = unsafe {
+        let snapshot = pg_sys::RegisterSnapshot(pg_sys::GetLatestSnapshot());
+        let class = class_of(&table, namespace, snapshot);
+        let typed = class.as_ref().is_some_and(|c| {
+            c.relkind == pg_sys::RELKIND_RELATION as std::ffi::c_char && c.reloftype == inbox_row_type(namespace)
+        });
+        let default_ttl = if typed { None } else { Some(registered_ttl(registry, name, snapshot)) };
+        pg_sys::UnregisterSnapshot(snapshot);
+        (class, default_ttl)
+    };
+    if default_ttl == Some(None) {
+        unknown_inbox(name)
+    }
+    let Some(class) = class else {
         raise(
             PgSqlErrorCode::ERRCODE_UNDEFINED_TABLE,
             format!("inbox \"{name}\" is registered but its table {} is missing", qualified(name)),
             format!("Recreate it: SELECT dedup.drop_inbox('{name}'); SELECT dedup.create_inbox('{name}');"),
         )
     };
-    let ns = shmem::namespace(relid);
-    Inbox::new(name, relid, qualified(name), default_ttl, ns)
+    let ns = shmem::namespace(class.oid);
+    Inbox::new(name, class.oid, qualified(name), default_ttl.flatten(), ns)
 }
 
-/// The default TTL of registered inbox `name` and its table's oid (None if the table is missing), read through the
-/// latest snapshot (not this transaction's), one snapshot for both.
-///
-/// Two index scans (the registry's primary key, then pg_class by name and schema) rather than a query: a query
-/// through SPI is parsed, analysed and planned again in every new backend, which made up about 3.5 million of the
-/// 5 million instructions of a connection's first `mark()` (callgrind, PG 15); connect-per-request clients pay it on
-/// every request.
-fn registered(registry: pg_sys::Oid, name: &str) -> Option<(Interval, Option<pg_sys::Oid>)> {
-    let table = std::ffi::CString::new(table_name(name)).expect("validated names have no NUL");
-    // SAFETY: the snapshot is registered before use and unregistered before returning; each relation is opened
-    // (and locked, as a query would lock it) for its scan only, and every scan ended before its relation closes.
-    // Values are copied out of a tuple before its scan ends.
-    unsafe {
+/// The default TTL of inbox `name`, read from the registry through the latest snapshot: for an inbox `load` found
+/// by its table, whose lock (held by the caller) keeps `drop` from removing the row meanwhile.
+pub(super) fn default_ttl(name: &str) -> Interval {
+    let registry = check_registry_readable();
+    // SAFETY: the snapshot is registered before use and unregistered before returning.
+    let ttl = unsafe {
         let snapshot = pg_sys::RegisterSnapshot(pg_sys::GetLatestSnapshot());
+        let ttl = registered_ttl(registry, name, snapshot);
+        pg_sys::UnregisterSnapshot(snapshot);
+        ttl
+    };
+    ttl.unwrap_or_else(|| unknown_inbox(name))
+}
+
+/// The oid of type dedup.inbox_row (`namespace`: schema dedup's oid).
+fn inbox_row_type(namespace: pg_sys::Oid) -> pg_sys::Oid {
+    // SAFETY: a syscache lookup by a NUL-terminated name and a schema oid; InvalidOid if there is none.
+    unsafe {
+        pg_sys::GetSysCacheOid(
+            pg_sys::SysCacheIdentifier::TYPENAMENSP as i32,
+            pg_sys::Anum_pg_type_oid as pg_sys::AttrNumber,
+            pg_sys::Datum::from(c"inbox_row".as_ptr()),
+            pg_sys::Datum::from(namespace),
+            pg_sys::Datum::from(0),
+            pg_sys::Datum::from(0),
+        )
+    }
+}
+
+/// The default TTL of registered inbox `name` as `snapshot` sees the registry (None: not registered).
+///
+/// An index scan of the registry's primary key rather than a query: a query through SPI is parsed, analysed and
+/// planned again in every new backend.
+///
+/// # Safety
+/// `snapshot` must be a registered MVCC snapshot.
+unsafe fn registered_ttl(registry: pg_sys::Oid, name: &str, snapshot: pg_sys::Snapshot) -> Option<Interval> {
+    // SAFETY: the registry is opened (and locked, as a query would lock it) for its scan only, and the scan ends
+    // before it closes. The value is copied out of the tuple before the scan ends.
+    unsafe {
         let lock = pg_sys::AccessShareLock as pg_sys::LOCKMODE;
         let rel = pg_sys::table_open(registry, lock);
         let mut key = pg_sys::ScanKeyData::default();
@@ -98,23 +145,24 @@ fn registered(registry: pg_sys::Oid, name: &str) -> Option<(Interval, Option<pg_
         });
         pg_sys::systable_endscan(scan);
         pg_sys::table_close(rel, lock);
-        let found = ttl.map(|ttl| (ttl, class_oid(&table, crate::catalog::dedup_namespace(), snapshot)));
-        pg_sys::UnregisterSnapshot(snapshot);
-        found
+        ttl
     }
 }
 
-/// The oid of relation `relname` in schema `namespace` as `snapshot` sees pg_class (None: there is none).
+/// What `load` reads of a relation's pg_class row.
+struct Class {
+    oid: pg_sys::Oid,
+    relkind: std::ffi::c_char,
+    reloftype: pg_sys::Oid,
+}
+
+/// Relation `relname` of schema `namespace` as `snapshot` sees pg_class (None: there is none).
 ///
 /// # Safety
 /// `snapshot` must be a registered MVCC snapshot.
-unsafe fn class_oid(
-    relname: &std::ffi::CStr,
-    namespace: pg_sys::Oid,
-    snapshot: pg_sys::Snapshot,
-) -> Option<pg_sys::Oid> {
+unsafe fn class_of(relname: &std::ffi::CStr, namespace: pg_sys::Oid, snapshot: pg_sys::Snapshot) -> Option<Class> {
     // SAFETY: pg_class and its name index always exist; the scan ends and the relation closes before returning, and
-    // the oid is read from the tuple before that.
+    // the values are read from the tuple before that.
     unsafe {
         let lock = pg_sys::AccessShareLock as pg_sys::LOCKMODE;
         let rel = pg_sys::table_open(pg_sys::RelationRelationId, lock);
@@ -138,10 +186,13 @@ unsafe fn class_oid(
         let index = pg_sys::Oid::from(pg_sys::ClassNameNspIndexId);
         let scan = pg_sys::systable_beginscan(rel, index, true, snapshot, 2, keys.as_mut_ptr());
         let tuple = pg_sys::systable_getnext(scan);
-        let oid = (!tuple.is_null()).then(|| (*crate::ports::GETSTRUCT::<pg_sys::FormData_pg_class>(tuple)).oid);
+        let class = (!tuple.is_null()).then(|| {
+            let form = &*crate::ports::GETSTRUCT::<pg_sys::FormData_pg_class>(tuple);
+            Class { oid: form.oid, relkind: form.relkind, reloftype: form.reloftype }
+        });
         pg_sys::systable_endscan(scan);
         pg_sys::table_close(rel, lock);
-        oid
+        class
     }
 }
 
@@ -414,5 +465,28 @@ mod tests {
         run("RESET ROLE");
         assert_eq!(code, PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE);
         assert!(message.contains("dedup.inbox_registry"), "{message}");
+    }
+
+    #[pg_test]
+    fn registry_a_typed_table_is_its_inbox_and_anything_else_needs_a_registry_row() {
+        // Typed: found by its table, the default TTL read from the registry when a mark needs it.
+        run("SELECT dedup.create_inbox('reg_typed', '7 minutes')");
+        assert!(one::<bool>("SELECT dedup.mark('a', '1 day', 'reg_typed')"));
+        assert!(one::<bool>("SELECT dedup.mark('b', NULL, 'reg_typed')"));
+        let ttl = "SELECT (expires_at - statement_timestamp())::text FROM dedup.inbox_reg_typed WHERE id = 'b'";
+        assert_eq!(one::<String>(ttl), "00:07:00");
+        // Untyped (an owner's NOT OF, a Citus worker's shell): an inbox while registered, through the registry.
+        run("SELECT dedup.create_inbox('reg_untyped', '5 minutes'); ALTER TABLE dedup.inbox_reg_untyped NOT OF");
+        assert!(one::<bool>("SELECT dedup.mark('c', NULL, 'reg_untyped')"));
+        let ttl = "SELECT (expires_at - statement_timestamp())::text FROM dedup.inbox_reg_untyped WHERE id = 'c'";
+        assert_eq!(one::<String>(ttl), "00:05:00");
+        run("CREATE TABLE dedup.inbox_reg_stray (LIKE dedup.inbox_default INCLUDING ALL)");
+        assert_dedup_error("SELECT dedup.mark('d', '1 day', 'reg_stray')", PgSqlErrorCode::ERRCODE_UNDEFINED_OBJECT);
+        // The registry itself is dedup.inbox_registry, and no inbox.
+        assert_dedup_error("SELECT dedup.mark('e', '1 day', 'registry')", PgSqlErrorCode::ERRCODE_UNDEFINED_OBJECT);
+        // A typed table whose registry row is gone is still found; a mark that needs its TTL is told it is gone.
+        run("SELECT dedup.create_inbox('reg_orphan'); DELETE FROM dedup.inbox_registry WHERE name = 'reg_orphan'");
+        assert!(one::<bool>("SELECT dedup.mark('f', '1 day', 'reg_orphan')"));
+        assert_dedup_error("SELECT dedup.mark('g', NULL, 'reg_orphan')", PgSqlErrorCode::ERRCODE_UNDEFINED_OBJECT);
     }
 }
