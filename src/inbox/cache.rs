@@ -45,7 +45,7 @@ fn open_checked(name: &str, access: Access, check: bool) -> Rc<Inbox> {
         // Lock as the executor would, before running any plan. Taking the lock waits for a transaction dropping
         // or creating the table to finish, and then processes its invalidations: an inbox dropped concurrently
         // shows up here as stale (its table's invalidation, or a lost one's reset, reached the entry), or, when
-        // it went after the registry was read for a fresh entry, as a table that no longer exists; the loop then
+        // it went after the catalogs were read for a fresh entry, as a table that no longer exists; the loop then
         // looks it up again (then: "does not exist"), instead of a raw error deep inside a cached plan or the
         // privilege check. (A cached entry needs no such catalog lookup on every call: its table's drop reaches
         // it as an invalidation.)

@@ -67,7 +67,8 @@ pub struct Inbox {
     pub relid: pg_sys::Oid,
     /// Schema-qualified, quoted table name, ready to splice into SQL.
     pub table: String,
-    /// The TTL of a mark made without one: read from the registry when first needed (`registry::load`).
+    /// The TTL of a mark made without one: read from the registry when first needed
+    /// (`registry::default_ttl`), unless `registry::load` read it already.
     default_ttl: OnceCell<Interval>,
     /// The inbox's key namespace in the shared filter (database and table).
     pub ns: u64,

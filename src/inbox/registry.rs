@@ -19,16 +19,23 @@ fn relation_oid(name: &str) -> pg_sys::Oid {
     crate::catalog::dedup_relation(&relname)
 }
 
-/// Finding an inbox (once per inbox and session) or listing them reads the registry: a caller who may not read it
-/// gets a dedup error saying which grant is missing, instead of a raw permission error from inside SPI. (Column privileges on
-/// the registry do not count: grant SELECT on the table.) Returns the registry's oid.
+/// The registry's oid. It belongs to the extension: it exists.
+fn registry() -> pg_sys::Oid {
+    crate::catalog::dedup_relation(c"inbox_registry")
+}
+
+/// Finding an inbox (once per inbox and session) or listing them needs SELECT on the registry, which holds the
+/// inboxes' default TTLs, whether or not this call reads it: a caller who may not read it gets a dedup error saying
+/// which grant is missing, at once rather than at the first call that needs a default TTL, and instead of a raw
+/// permission error from inside SPI. (Column privileges on the registry do not count: grant SELECT on the table.)
+/// Returns the registry's oid.
 fn check_registry_readable() -> pg_sys::Oid {
-    let relid = crate::catalog::dedup_relation(c"inbox_registry");
+    let relid = registry();
     // The registry belongs to the extension: it exists.
     if !crate::catalog::caller_may_select(relid) {
         raise(
             PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
-            "permission denied for dedup.inbox_registry, where every call looks up its inbox",
+            "permission denied for dedup.inbox_registry, which every call needs",
             "An administrator can run: GRANT SELECT ON dedup.inbox_registry TO <role>; (see docs/privileges.md).",
         )
     }
@@ -64,7 +71,9 @@ pub(super) fn load(name: &str) -> Inbox {
         let snapshot = pg_sys::RegisterSnapshot(pg_sys::GetLatestSnapshot());
         let class = class_of(&table, namespace, snapshot);
         let typed = class.as_ref().is_some_and(|c| {
-            c.relkind == pg_sys::RELKIND_RELATION as std::ffi::c_char && c.reloftype == inbox_row_type(namespace)
+            c.relkind == pg_sys::RELKIND_RELATION as std::ffi::c_char
+                && c.reloftype != pg_sys::InvalidOid
+                && c.reloftype == inbox_row_type(namespace)
         });
         let default_ttl = if typed { None } else { Some(registered_ttl(registry, name, snapshot)) };
         pg_sys::UnregisterSnapshot(snapshot);
@@ -85,9 +94,10 @@ pub(super) fn load(name: &str) -> Inbox {
 }
 
 /// The default TTL of inbox `name`, read from the registry through the latest snapshot: for an inbox `load` found
-/// by its table, whose lock (held by the caller) keeps `drop` from removing the row meanwhile.
+/// by its table, whose lock (held by the caller) keeps `drop` from removing the row meanwhile. The privilege was
+/// checked when the inbox was loaded, as for the TTL read then.
 pub(super) fn default_ttl(name: &str) -> Interval {
-    let registry = check_registry_readable();
+    let registry = registry();
     // SAFETY: the snapshot is registered before use and unregistered before returning.
     let ttl = unsafe {
         let snapshot = pg_sys::RegisterSnapshot(pg_sys::GetLatestSnapshot());
@@ -98,7 +108,7 @@ pub(super) fn default_ttl(name: &str) -> Interval {
     ttl.unwrap_or_else(|| unknown_inbox(name))
 }
 
-/// The oid of type dedup.inbox_row (`namespace`: schema dedup's oid).
+/// The oid of type dedup.inbox_row (`namespace`: schema dedup's oid); it belongs to the extension, so it exists.
 fn inbox_row_type(namespace: pg_sys::Oid) -> pg_sys::Oid {
     // SAFETY: a syscache lookup by a NUL-terminated name and a schema oid; InvalidOid if there is none.
     unsafe {
