@@ -16,8 +16,9 @@ const RESULT: &str = "jsonb_build_object('status', 201, 'body', repeat('x', 1000
 /// Keys already completed on both sides, which the replay scripts draw from.
 const COMPLETED_KEYS: i64 = 100_000;
 
-pub fn scenarios(c: &mut Client, pgbench: &Pgbench, scale: &Scale) -> Vec<Row> {
-    c.batch_execute(&format!(
+/// The inbox `keys` and the hand-written `idempotency_keys` table, each holding `COMPLETED_KEYS` completed keys.
+pub fn setup_sql() -> String {
+    format!(
         "SELECT dedup.create_inbox('keys', '1 day');
          CREATE TABLE idempotency_keys (key text COLLATE \"C\" PRIMARY KEY, request_params text, response jsonb,
                                         locked_at timestamptz, expires_at timestamptz NOT NULL);
@@ -27,27 +28,36 @@ pub fn scenarios(c: &mut Client, pgbench: &Pgbench, scale: &Scale) -> Vec<Row> {
              FROM generate_series(1, {COMPLETED_KEYS}) g;
          INSERT INTO idempotency_keys SELECT 'rep-' || g, 'fp-' || g, {RESULT}, NULL, now() + interval '1 day'
              FROM generate_series(1, {COMPLETED_KEYS}) g;"
-    ))
-    .unwrap();
+    )
+}
+
+/// A request with a new key (`key`: an SQL expression) as pg_dedup serves it: its two statements.
+pub fn ours_new(key: &str) -> [String; 2] {
+    [
+        format!("SELECT state FROM dedup.claim({key}, 'fp-' || {key}, NULL, 'keys')"),
+        format!("SELECT dedup.complete({key}, {RESULT}, 'keys')"),
+    ]
+}
+
+/// The same request written by hand, in the fewest statements: a key the INSERT returns is new and already locked
+/// by it (a key it does not return would be read FOR UPDATE, as the replay does).
+pub fn hand_new(key: &str) -> [String; 2] {
+    [
+        format!(
+            "INSERT INTO idempotency_keys (key, request_params, locked_at, expires_at) \
+             VALUES ({key}, 'fp-' || {key}, now(), now() + interval '1 day') ON CONFLICT DO NOTHING RETURNING true"
+        ),
+        format!("UPDATE idempotency_keys SET response = {RESULT}, locked_at = NULL WHERE key = {key}"),
+    ]
+}
+
+pub fn scenarios(c: &mut Client, pgbench: &Pgbench, scale: &Scale) -> Vec<Row> {
+    c.batch_execute(&setup_sql()).unwrap();
     settle(c, &["dedup.inbox_keys", "idempotency_keys"]);
     let new_key = "\\set r random(1, 1000000000000000)\n";
-    let ours_new = pgbench.script(
-        "claim_new",
-        &format!(
-            "{new_key}BEGIN;\nSELECT state FROM dedup.claim('new-' || :r, 'fp-' || :r, NULL, 'keys');\n\
-             SELECT dedup.complete('new-' || :r, {RESULT}, 'keys');\nCOMMIT;\n"
-        ),
-    );
-    let hand_new = pgbench.script(
-        "hand_new",
-        &format!(
-            // The fewest statements: a key the INSERT returns is new and already locked by it (a key it does not
-            // return would be read FOR UPDATE, as the replay does).
-            "{new_key}BEGIN;\nINSERT INTO idempotency_keys (key, request_params, locked_at, expires_at) \
-             VALUES ('new-' || :r, 'fp-' || :r, now(), now() + interval '1 day') ON CONFLICT DO NOTHING RETURNING true;\n\
-             UPDATE idempotency_keys SET response = {RESULT}, locked_at = NULL WHERE key = 'new-' || :r;\nCOMMIT;\n"
-        ),
-    );
+    let transaction = |[a, b]: [String; 2]| format!("{new_key}BEGIN;\n{a};\n{b};\nCOMMIT;\n");
+    let ours_new = pgbench.script("claim_new", &transaction(ours_new("('new-' || :r)")));
+    let hand_new = pgbench.script("hand_new", &transaction(hand_new("('new-' || :r)")));
     let replay_key = format!("\\set p random(1, {COMPLETED_KEYS})\n");
     let ours_replay = pgbench.script(
         "claim_replay",
