@@ -6,7 +6,7 @@
 //!
 //! BENCH_QUICK=1 runs fewer rounds on smaller inputs (about four minutes); BENCH_ONLY=clients,growth runs only the
 //! sections named (filter, expiry, clients, attempts, idempotency, ingest, instructions, citus, restart, growth)
-//! and writes its results beside the full run's, in bench/results/only/<sections>/ (latest.* stay the full run's); BENCH_VERBOSE=1 prints every client-side run.
+//! and writes its results beside the full run's, in bench/results/only/<sections>/ (<sections>-pg18/ on PostgreSQL 18; latest.* stay the full run's); BENCH_VERBOSE=1 prints every client-side run.
 
 mod attempts;
 mod chart;
@@ -285,7 +285,10 @@ fn main() {
     let mut dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("results");
     if let Some(only) = &only {
         let sections: Vec<&str> = only.split(',').map(str::trim).filter(|s| !s.is_empty()).collect();
-        dir = dir.join("only").join(sections.join("+"));
+        // On another PostgreSQL than make bench's (15), beside them: only/instructions-pg18/.
+        let major = pg_dedup_harness::major(&pg_dedup_harness::pg_config());
+        let suffix = if major == 15 { String::new() } else { format!("-pg{major}") };
+        dir = dir.join("only").join(sections.join("+") + &suffix);
     }
     report::write(&dir, &rows, &curve, &machine).expect("write results");
     println!("\nwritten to {}/latest.{{json,md,svg}}", dir.display());
