@@ -31,7 +31,6 @@ fn registry() -> pg_sys::Oid {
 /// Returns the registry's oid.
 fn check_registry_readable() -> pg_sys::Oid {
     let relid = registry();
-    // The registry belongs to the extension: it exists.
     if !crate::catalog::caller_may_select(relid) {
         raise(
             PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
