@@ -65,22 +65,23 @@ pub(super) fn load(name: &str) -> Inbox {
     let registry = check_registry_readable();
     let table = std::ffi::CString::new(table_name(name)).expect("validated names have no NUL");
     let namespace = crate::catalog::dedup_namespace();
-    // SAFETY: the snapshot is registered before use and unregistered before returning.
-    let (class, default_ttl) = unsafe {
-        let snapshot = pg_sys::RegisterSnapshot(pg_sys::GetLatestSnapshot());
-        let class = class_of(&table, namespace, snapshot);
+    // `registered`: None when the table is of the inbox row type (its TTL is read on demand), else what the registry
+    // says, through the same snapshot.
+    let (class, registered) = with_latest_snapshot(|snapshot| {
+        // SAFETY: the snapshot is registered (`with_latest_snapshot`).
+        let class = unsafe { class_of(&table, namespace, snapshot) };
         let typed = class.as_ref().is_some_and(|c| {
             c.relkind == pg_sys::RELKIND_RELATION as std::ffi::c_char
                 && c.reloftype != pg_sys::InvalidOid
                 && c.reloftype == inbox_row_type(namespace)
         });
-        let default_ttl = if typed { None } else { Some(registered_ttl(registry, name, snapshot)) };
-        pg_sys::UnregisterSnapshot(snapshot);
-        (class, default_ttl)
+        // SAFETY: as above.
+        (class, (!typed).then(|| unsafe { registered_ttl(registry, name, snapshot) }))
+    });
+    let default_ttl = match registered {
+        Some(None) => unknown_inbox(name),
+        read => read.flatten(),
     };
-    if default_ttl == Some(None) {
-        unknown_inbox(name)
-    }
     let Some(class) = class else {
         raise(
             PgSqlErrorCode::ERRCODE_UNDEFINED_TABLE,
@@ -89,7 +90,7 @@ pub(super) fn load(name: &str) -> Inbox {
         )
     };
     let ns = shmem::namespace(class.oid);
-    Inbox::new(name, class.oid, qualified(name), default_ttl.flatten(), ns)
+    Inbox::new(name, class.oid, qualified(name), default_ttl, ns)
 }
 
 /// The default TTL of inbox `name`, read from the registry through the latest snapshot: for an inbox `load` found
@@ -97,14 +98,21 @@ pub(super) fn load(name: &str) -> Inbox {
 /// checked when the inbox was loaded, as for the TTL read then.
 pub(super) fn default_ttl(name: &str) -> Interval {
     let registry = registry();
-    // SAFETY: the snapshot is registered before use and unregistered before returning.
-    let ttl = unsafe {
-        let snapshot = pg_sys::RegisterSnapshot(pg_sys::GetLatestSnapshot());
-        let ttl = registered_ttl(registry, name, snapshot);
-        pg_sys::UnregisterSnapshot(snapshot);
-        ttl
-    };
+    // SAFETY: the snapshot is registered (`with_latest_snapshot`).
+    let ttl = with_latest_snapshot(|snapshot| unsafe { registered_ttl(registry, name, snapshot) });
     ttl.unwrap_or_else(|| unknown_inbox(name))
+}
+
+/// Runs `f` with the latest snapshot (not this transaction's), registered for it.
+fn with_latest_snapshot<R>(f: impl FnOnce(pg_sys::Snapshot) -> R) -> R {
+    // SAFETY: the snapshot is registered before `f` uses it and unregistered after; if `f` raises an ERROR, the
+    // (sub)transaction's resource owner releases it.
+    unsafe {
+        let snapshot = pg_sys::RegisterSnapshot(pg_sys::GetLatestSnapshot());
+        let result = f(snapshot);
+        pg_sys::UnregisterSnapshot(snapshot);
+        result
+    }
 }
 
 /// The oid of type dedup.inbox_row (`namespace`: schema dedup's oid); it belongs to the extension, so it exists.
