@@ -17,7 +17,7 @@
 //! Ids are processed in sorted order, so two `mark_many()` calls with overlapping ids lock rows in the same order
 //! and cannot deadlock each other.
 
-use crate::clock::{expiry, later, statement_now};
+use crate::clock::{later, statement_expiry, statement_now};
 use crate::errors::raise;
 use crate::inbox::{self, Access, Inbox, Stmt};
 use crate::shmem::Counter;
@@ -41,7 +41,7 @@ struct WindowEnd<'a> {
 
 impl WindowEnd<'_> {
     fn get(&self) -> TimestampWithTimeZone {
-        *self.at.get_or_init(|| expiry(statement_now(), self.ttl.unwrap_or_else(|| self.inbox.default_ttl())))
+        *self.at.get_or_init(|| statement_expiry(self.ttl.unwrap_or_else(|| self.inbox.default_ttl())))
     }
 }
 

@@ -20,7 +20,7 @@
 //!   the subtransaction; every subtransaction begun after the aborted one is inside it), the transaction's abort
 //!   forgets all of them, and the keys already flushed go with the rows.
 
-use crate::clock::{expiry, statement_now};
+use crate::clock::{statement_expiry, statement_now};
 use crate::errors::raise;
 use crate::inbox::{self, Inbox};
 use crate::shmem::Counter;
@@ -98,7 +98,7 @@ pub fn remember(inbox: &Inbox, key: &str, ttl: Option<Interval>) {
     }
     // SAFETY: reads the current subtransaction's id.
     let by = unsafe { pg_sys::GetCurrentSubTransactionId() };
-    let remembered = Remembered { ends: window_end(inbox, ttl).into(), by };
+    let remembered = Remembered { ends: statement_expiry(ttl.unwrap_or_else(|| inbox.default_ttl())).into(), by };
     let full = with_keys(&inbox.name, |keys| {
         keys.insert(key.into(), remembered);
         keys.len() >= FLUSH_AT
@@ -118,24 +118,6 @@ fn with_keys<R>(name: &str, f: impl FnOnce(&mut Keys) -> R) -> R {
         });
         f(&mut p[at].1)
     })
-}
-
-/// When a mark of `inbox` for `ttl` made in this statement expires. Worked out once per statement, inbox and TTL
-/// (calendar arithmetic in the session's time zone), not once per row.
-fn window_end(inbox: &Inbox, ttl: Option<Interval>) -> TimestampWithTimeZone {
-    type Last = Option<(TimestampWithTimeZone, pg_sys::Oid, Option<Interval>, TimestampWithTimeZone)>;
-    thread_local! {
-        static LAST: Cell<Last> = const { Cell::new(None) };
-    }
-    let now = statement_now();
-    if let Some((at, relid, last_ttl, ends)) = LAST.get() {
-        if at == now && relid == inbox.relid && last_ttl == ttl {
-            return ends;
-        }
-    }
-    let ends = expiry(now, ttl.unwrap_or_else(|| inbox.default_ttl()));
-    LAST.set(Some((now, inbox.relid, ttl, ends)));
-    ends
 }
 
 /// The keys remembered for inbox `name`, no longer remembered; those remembered before the current subtransaction
