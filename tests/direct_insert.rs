@@ -254,3 +254,49 @@ fn assert_subtransaction_cache_has_room(c: &mut Client, after: &str, at_least: i
         "{after}: {subxids} subtransactions kept, overflowed {overflowed}"
     );
 }
+
+fn mark_in(c: &mut Client, id: &str, inbox: &str) -> bool {
+    c.query_one("SELECT dedup.mark($1, NULL, $2)", &[&id, &inbox]).unwrap().get(0)
+}
+
+/// A transaction writes an inbox through one handle (src/direct/handle.rs) that holds no reference between writes:
+/// its own DDL on the inbox, which PostgreSQL refuses while a reference is open ("being used by active queries"),
+/// runs between two marks, and the next mark sees what it changed (a new index gets its entry, a truncated table
+/// its new file). A savepoint rolled back after the first write of an inbox takes that inbox's handle with it.
+#[test]
+fn a_transaction_writes_through_one_handle_and_sees_its_own_ddl() {
+    let (cluster, mut c) = server("one_handle");
+    // A BRIN index keeps buffers pinned between insertions of one command (PostgreSQL 17 on): they must not outlive
+    // it, nor the subtransaction that took them.
+    c.batch_execute(
+        "SELECT dedup.create_inbox('h'); SELECT dedup.create_inbox('h2');
+         CREATE INDEX h2_brin ON dedup.inbox_h2 USING brin (expires_at)",
+    )
+    .unwrap();
+    wait_trusted(&mut c, "h");
+    wait_trusted(&mut c, "h2");
+    c.batch_execute("BEGIN").unwrap();
+    assert!(mark_in(&mut c, "a", "h"));
+    c.batch_execute("CREATE INDEX h_doubled ON dedup.inbox_h ((id || id))").unwrap();
+    assert!(mark_in(&mut c, "b", "h"));
+    c.batch_execute("SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off").unwrap();
+    for id in ["aa", "bb"] {
+        let found = c.query("SELECT id FROM dedup.inbox_h WHERE id || id = $1", &[&id]).unwrap();
+        assert_eq!(found.len(), 1, "the index made between the marks has the entry of {id}");
+    }
+    c.batch_execute("RESET enable_seqscan; RESET enable_bitmapscan; TRUNCATE dedup.inbox_h").unwrap();
+    assert!(mark_in(&mut c, "a", "h"), "new again after the truncate");
+    assert!(!mark_in(&mut c, "a", "h"));
+    c.batch_execute("SAVEPOINT s").unwrap();
+    assert!(mark_in(&mut c, "x", "h2"));
+    c.batch_execute("ROLLBACK TO SAVEPOINT s").unwrap();
+    assert!(mark_in(&mut c, "y", "h2"));
+    assert!(mark_in(&mut c, "x", "h2"), "the rolled-back mark is gone");
+    let batch = ids("brin", 20);
+    assert_eq!(mark_many(&mut c, &strs(&batch), "h2").len(), 20);
+    assert_eq!(trigger_calls(&mut c), 0, "every mark was written directly");
+    c.batch_execute("COMMIT").unwrap();
+    assert_eq!(count(&mut c, "dedup.inbox_h"), 1);
+    assert_eq!(count(&mut c, "dedup.inbox_h2"), 22);
+    assert_no_resource_leaks(&cluster);
+}

@@ -18,7 +18,8 @@
 //! Either way the unique index stays the truth, and an id that did not go in is left to the caller's ordinary
 //! path, whose pre-check waits for the other claim.
 
-use super::{row_slots, store_row, with_indexes, Row, Values};
+use super::handle::{self, Handle};
+use super::{row_slots, store_row, Row, Values};
 use crate::inbox::Inbox;
 use crate::{filter, ports, xact};
 use pgrx::prelude::*;
@@ -36,12 +37,12 @@ pub fn insert(inbox: &Inbox, ids: &[&str], row: &Row) -> usize {
         return 0;
     }
     let values = Values::of(row);
-    with_table(inbox, |rel| {
-        if ids.len() >= MIN_IDS && xact::has_room() && insert_all(rel, inbox.ns, ids, &values) {
+    with_table(inbox, |table| {
+        if ids.len() >= MIN_IDS && xact::has_room() && insert_all(table, inbox.ns, ids, &values) {
             ids.len()
         } else {
             // SAFETY: the table is open, with RowExclusiveLock, and its shape `plain`.
-            unsafe { insert_each(rel, inbox.ns, ids, &values) }
+            unsafe { insert_each(table, inbox.ns, ids, &values) }
         }
     })
 }
@@ -52,34 +53,30 @@ pub fn insert(inbox: &Inbox, ids: &[&str], row: &Row) -> usize {
 /// fails with it. For the flush of a batched attachment (`attach::batch`), whose rows are already in.
 pub fn insert_new(inbox: &Inbox, ids: &[&str], row: &Row) {
     let values = Values::of(row);
-    with_table(inbox, |rel| {
+    with_table(inbox, |table| {
         // SAFETY: the table is open, with RowExclusiveLock, and (the caller vouches) its shape `plain`.
-        unsafe { write_rows(rel, inbox.ns, ids, &values) };
+        unsafe { write_rows(table, inbox.ns, ids, &values) };
         ids.len()
     });
 }
 
-/// Runs `write` on the inbox's table, open with RowExclusiveLock, and makes the rows it wrote (it returns how many)
-/// visible to the rest of the transaction.
-fn with_table(inbox: &Inbox, write: impl FnOnce(pg_sys::Relation) -> usize) -> usize {
-    // SAFETY: the inbox was opened (and locked) by this transaction; the relation is closed below.
-    let rel = unsafe { pg_sys::table_open(inbox.relid, pg_sys::RowExclusiveLock as pg_sys::LOCKMODE) };
-    let written = write(rel);
-    // SAFETY: closes what was opened above, keeping the lock until the transaction ends.
-    unsafe {
-        pg_sys::table_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
-        if written > 0 {
-            // Later statements of this call (and of the transaction) must see the rows, as after any SQL insert.
-            pg_sys::CommandCounterIncrement();
-        }
+/// Runs `write` with the transaction's write handle on the inbox's table (`handle`) and makes the rows it wrote (it
+/// returns how many) visible to the rest of the transaction.
+fn with_table(inbox: &Inbox, write: impl FnOnce(&Handle) -> usize) -> usize {
+    // SAFETY: the inbox was opened (and locked) by this transaction; `write` returns a count.
+    let written = unsafe { handle::with(inbox.relid, write) };
+    if written > 0 {
+        // Later statements of this call (and of the transaction) must see the rows, as after any SQL insert.
+        // SAFETY: no preconditions.
+        unsafe { pg_sys::CommandCounterIncrement() };
     }
     written
 }
 
 /// All of `ids` in one multi-insert, or (when one of them has a row) none.
-fn insert_all(rel: pg_sys::Relation, ns: u64, ids: &[&str], values: &Values) -> bool {
-    // SAFETY: `rel` is the open, qualifying inbox table of `insert`.
-    xact::undo_on(PgSqlErrorCode::ERRCODE_UNIQUE_VIOLATION, || unsafe { write_rows(rel, ns, ids, values) }).is_some()
+fn insert_all(table: &Handle, ns: u64, ids: &[&str], values: &Values) -> bool {
+    // SAFETY: `table` is the open, qualifying inbox table of `insert`.
+    xact::undo_on(PgSqlErrorCode::ERRCODE_UNIQUE_VIOLATION, || unsafe { write_rows(table, ns, ids, values) }).is_some()
 }
 
 /// Each of `ids` (sorted) on its own, by speculative insertion, up to the first that has a row: returns how many
@@ -89,19 +86,10 @@ fn insert_all(rel: pg_sys::Relation, ns: u64, ids: &[&str], values: &Values) -> 
 /// for one of ours).
 ///
 /// # Safety
-/// `rel` must be an inbox table opened with RowExclusiveLock whose shape is `plain`.
-unsafe fn insert_each(rel: pg_sys::Relation, ns: u64, ids: &[&str], values: &Values) -> usize {
-    // SAFETY: the caller vouches for the relation; the slot is made and dropped here, inside with_indexes' executor
-    // state.
-    unsafe {
-        with_indexes(rel, |estate, result_rel| {
-            let slot = row_slots(rel, 1)[0];
-            let inserted =
-                ids.iter().take_while(|id| insert_one(rel, ns, (estate, result_rel), slot, id, values)).count();
-            pg_sys::ExecDropSingleTupleTableSlot(slot);
-            inserted
-        })
-    }
+/// `table` must be a handle on an inbox table (locked with RowExclusiveLock) whose shape is `plain`.
+unsafe fn insert_each(table: &Handle, ns: u64, ids: &[&str], values: &Values) -> usize {
+    // SAFETY: the caller vouches for the handle.
+    unsafe { table.inserting(|| ids.iter().take_while(|id| insert_one(table, ns, id, values)).count()) }
 }
 
 /// What `INSERT ... ON CONFLICT DO NOTHING` does for a row once its pre-check found nothing (ExecInsert in
@@ -109,17 +97,11 @@ unsafe fn insert_each(rel: pg_sys::Relation, ns: u64, ids: &[&str], values: &Val
 /// only for our decision; if the unique index reports a conflict the row is killed rather than confirmed.
 ///
 /// # Safety
-/// As for `insert_each`; `estate` and `result_rel` come from `with_indexes` on `rel`, `slot` from `row_slots`.
-unsafe fn insert_one(
-    rel: pg_sys::Relation,
-    ns: u64,
-    (estate, result_rel): (*mut pg_sys::EState, *mut pg_sys::ResultRelInfo),
-    slot: *mut pg_sys::TupleTableSlot,
-    id: &str,
-    values: &Values,
-) -> bool {
-    // SAFETY: the caller vouches for the relation, executor state and slot; the speculative token is taken and released
-    // around the row's index entries, as ExecInsert does.
+/// As for `insert_each`.
+unsafe fn insert_one(table: &Handle, ns: u64, id: &str, values: &Values) -> bool {
+    let Handle { rel, estate, result_rel, slot } = *table;
+    // SAFETY: the caller vouches for the handle; the speculative token is taken and released around the row's index
+    // entries, as ExecInsert does.
     unsafe {
         store_row(slot, id, values);
         let xid = pg_sys::GetCurrentTransactionId();
@@ -149,20 +131,21 @@ unsafe fn insert_one(
 ///
 /// # Safety
 /// As for `insert_each`.
-unsafe fn write_rows(rel: pg_sys::Relation, ns: u64, ids: &[&str], values: &Values) {
-    // SAFETY: the caller vouches for the relation; the slots are made, filled and dropped inside with_indexes' executor
-    // state, and the table access method's multi_insert is called as COPY calls it.
+unsafe fn write_rows(table: &Handle, ns: u64, ids: &[&str], values: &Values) {
+    let Handle { rel, estate, result_rel, .. } = *table;
+    // SAFETY: the caller vouches for the handle; the slots are made, filled and dropped here, in the handle's per-use
+    // memory, and the table access method's multi_insert is called as COPY calls it.
     unsafe {
-        with_indexes(rel, |estate, result_rel| {
-            let slots = row_slots(rel, ids.len());
-            for (&slot, id) in slots.iter().zip(ids) {
-                store_row(slot, id, values);
-            }
-            let multi_insert = (*(*rel).rd_tableam).multi_insert.expect("every table access method can multi-insert");
-            let cid = pg_sys::GetCurrentCommandId(true);
-            pg_sys::ffi::pg_guard_ffi_boundary(|| {
-                multi_insert(rel, slots.as_ptr() as *mut _, slots.len() as i32, cid, 0, std::ptr::null_mut())
-            });
+        let slots = row_slots(rel, ids.len());
+        for (&slot, id) in slots.iter().zip(ids) {
+            store_row(slot, id, values);
+        }
+        let multi_insert = (*(*rel).rd_tableam).multi_insert.expect("every table access method can multi-insert");
+        let cid = pg_sys::GetCurrentCommandId(true);
+        pg_sys::ffi::pg_guard_ffi_boundary(|| {
+            multi_insert(rel, slots.as_ptr() as *mut _, slots.len() as i32, cid, 0, std::ptr::null_mut())
+        });
+        table.inserting(|| {
             for &slot in &slots {
                 ports::ExecInsertIndexTuples(result_rel, slot, estate, None, ports::Entries::Inserted);
                 pg_sys::ExecDropSingleTupleTableSlot(slot);

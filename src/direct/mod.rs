@@ -11,6 +11,7 @@
 //! left to the SQL statements of `inbox::Stmt`, which obey the same rules.
 
 mod delete;
+mod handle;
 mod insert;
 mod lookup;
 mod update;
@@ -66,32 +67,6 @@ fn text(s: &str) -> pg_sys::Datum {
     pg_sys::Datum::from(unsafe {
         pg_sys::cstring_to_text_with_len(s.as_ptr() as *const std::ffi::c_char, s.len() as i32)
     })
-}
-
-/// Runs `body` with the table's indexes open for insertion, in an executor state of our own (there is no query)
-/// whose memory holds everything `body` allocates and goes when it is done.
-///
-/// # Safety
-/// `rel` must be open with a lock that allows inserting; the pointers `body` gets live only while it runs.
-unsafe fn with_indexes<R>(
-    rel: pg_sys::Relation,
-    body: impl FnOnce(*mut pg_sys::EState, *mut pg_sys::ResultRelInfo) -> R,
-) -> R {
-    // SAFETY: the caller vouches for the relation; everything allocated here goes with the executor state.
-    unsafe {
-        let estate = pg_sys::CreateExecutorState();
-        let caller = pg_sys::MemoryContextSwitchTo((*estate).es_query_cxt);
-        let result_rel = pg_sys::palloc0(std::mem::size_of::<pg_sys::ResultRelInfo>()) as *mut pg_sys::ResultRelInfo;
-        (*result_rel).type_ = pg_sys::NodeTag::T_ResultRelInfo;
-        // Range-table index 0: there is no query, hence no range table.
-        pg_sys::InitResultRelInfo(result_rel, rel, 0, std::ptr::null_mut(), 0);
-        pg_sys::ExecOpenIndices(result_rel, false);
-        let result = body(estate, result_rel);
-        pg_sys::ExecCloseIndices(result_rel);
-        pg_sys::MemoryContextSwitchTo(caller);
-        pg_sys::FreeExecutorState(estate);
-        result
-    }
 }
 
 /// `n` empty slots for inbox rows. They share a private copy of the row type: the relation's own is

@@ -3,7 +3,8 @@
 //! change it: none of UPDATE's handling of concurrent changes is needed (what `simple_table_tuple_update` raises an
 //! error for cannot happen), and the id does not change, so neither the filter nor the filter trigger has work.
 
-use super::{row_slots, store_row, with_indexes, Found, Row, Values};
+use super::handle::{self, Handle};
+use super::{store_row, Found, Row, Values};
 use crate::inbox::Inbox;
 use crate::jsonb::Jsonb;
 use crate::ports;
@@ -23,19 +24,15 @@ pub fn complete_own(inbox: &Inbox, id: &str, found: &Found, result: Option<Jsonb
         lease_until: None,
         completed: Some(true),
     };
-    // SAFETY: the table was opened and locked (RowExclusiveLock) by this transaction; the slot and executor state
-    // are dropped before returning.
+    // SAFETY: the table was opened and locked (RowExclusiveLock) by this transaction.
     unsafe {
-        let rel = pg_sys::table_open(inbox.relid, pg_sys::NoLock as pg_sys::LOCKMODE);
-        with_indexes(rel, |estate, result_rel| {
-            let slot = row_slots(rel, 1)[0];
+        handle::with(inbox.relid, |table| {
+            let Handle { rel, estate, result_rel, slot } = *table;
             store_row(slot, id, &Values::of(&row));
             if let Some(entries) = ports::simple_table_tuple_update(rel, &mut tid, slot, pg_sys::GetActiveSnapshot()) {
-                ports::ExecInsertIndexTuples(result_rel, slot, estate, None, entries);
+                table.inserting(|| ports::ExecInsertIndexTuples(result_rel, slot, estate, None, entries));
             }
-            pg_sys::ExecDropSingleTupleTableSlot(slot);
         });
-        pg_sys::table_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
         // Later statements of the transaction must see the new version, as after any SQL update.
         pg_sys::CommandCounterIncrement();
     }

@@ -1,0 +1,316 @@
+//! One write handle per inbox table per transaction: the table, its indexes open for insertion, an executor state
+//! and a slot, set up at the first direct write of a transaction and reused by every later one.
+//!
+//! Why: setting them up is most of a single row's work outside the heap and the btree. An attached table's row
+//! trigger wrote each row of a COPY through a fresh executor state, ResultRelInfo and index opens (ExecOpenIndices
+//! with an IndexInfo per index, a lock taken and dropped per index, a tuple descriptor copied for the slot): about a
+//! fifth of its instructions (callgrind), and `claim()` then `complete()` did it twice per request.
+//!
+//! How it stays sound between uses, when it holds no relcache reference (so the transaction's own DDL on the inbox,
+//! whose `CheckTableNotInUse` counts references, and the resource owners' leak checks at the end of a statement
+//! see nothing open):
+//! - the relcache entries of the table and its indexes are watched (`relcache::Stale`): an invalidation of any of
+//!   them (the transaction's own DDL, another session's VACUUM or concurrent index build; any DDL that would change
+//!   the table under us waits for our lock), or a reset of the whole cache, drops the handle before its pointers
+//!   could be used, and the next write sets up a new one;
+//! - every use takes a reference to each relation for its duration, as an open would;
+//! - the locks (RowExclusiveLock on the table and each index, as INSERT takes them) are taken when the handle is
+//!   set up and held to the end of the transaction; a subtransaction that took them and rolls back releases them,
+//!   so its handles go with it (`at_end_of_subtransaction`), and a transaction's end forgets every handle (their
+//!   memory is the transaction's).
+//!
+//! A use that would nest inside another use of the same handle (a function of an index expression writing to the
+//! inbox) gets a handle of its own, set up and dropped around it.
+
+use crate::relcache::Stale;
+use pgrx::prelude::*;
+use std::cell::{Cell, RefCell};
+use std::rc::Rc;
+
+/// What a use gets: the open table, its executor state and ResultRelInfo (indexes open), and an empty slot of the
+/// row type.
+pub struct Handle {
+    pub rel: pg_sys::Relation,
+    pub estate: *mut pg_sys::EState,
+    pub result_rel: *mut pg_sys::ResultRelInfo,
+    pub slot: *mut pg_sys::TupleTableSlot,
+}
+
+/// A handle and what keeps it sound.
+struct Held {
+    relid: pg_sys::Oid,
+    handle: Handle,
+    /// Holds the executor state, the slot and `per_use`; a child of TopTransactionContext.
+    context: pg_sys::MemoryContext,
+    /// Reset after every use: what a write allocates (datums, index tuples).
+    per_use: pg_sys::MemoryContext,
+    /// The table's and each index's relcache entry.
+    stale: Vec<Stale>,
+    /// The subtransaction whose resource owner holds the locks.
+    locked_in: Cell<pg_sys::SubTransactionId>,
+    busy: Cell<bool>,
+}
+
+thread_local! {
+    static HELD: RefCell<Vec<Rc<Held>>> = const { RefCell::new(Vec::new()) };
+    static CALLBACKS: Cell<bool> = const { Cell::new(false) };
+}
+
+impl Held {
+    /// Sets up a handle on inbox table `relid`.
+    ///
+    /// # Safety
+    /// `relid` must be a table this transaction may insert into.
+    unsafe fn open(relid: pg_sys::Oid) -> Held {
+        // SAFETY: everything is allocated in a context of our own under the transaction's; the references taken
+        // by the opens are given back at the end, the locks kept.
+        unsafe {
+            let context = memory_context(pg_sys::TopTransactionContext, c"pg_dedup write handle");
+            let caller = pg_sys::MemoryContextSwitchTo(context);
+            let rel = pg_sys::table_open(relid, pg_sys::RowExclusiveLock as pg_sys::LOCKMODE);
+            let estate = pg_sys::CreateExecutorState();
+            pg_sys::MemoryContextSwitchTo((*estate).es_query_cxt);
+            let result_rel =
+                pg_sys::palloc0(std::mem::size_of::<pg_sys::ResultRelInfo>()) as *mut pg_sys::ResultRelInfo;
+            (*result_rel).type_ = pg_sys::NodeTag::T_ResultRelInfo;
+            // Range-table index 0: there is no query, hence no range table.
+            pg_sys::InitResultRelInfo(result_rel, rel, 0, std::ptr::null_mut(), 0);
+            pg_sys::ExecOpenIndices(result_rel, false);
+            let slot = super::row_slots(rel, 1)[0];
+            pg_sys::MemoryContextSwitchTo(caller);
+            let handle = Handle { rel, estate, result_rel, slot };
+            let stale = handle.relations().map(|r| Stale::of((*r).rd_id)).collect();
+            for r in handle.relations() {
+                pg_sys::RelationDecrementReferenceCount(r);
+            }
+            Held {
+                relid,
+                handle,
+                context,
+                per_use: memory_context(context, c"pg_dedup write"),
+                stale,
+                locked_in: Cell::new(pg_sys::GetCurrentSubTransactionId()),
+                busy: Cell::new(false),
+            }
+        }
+    }
+
+    fn sound(&self) -> bool {
+        !self.stale.iter().any(Stale::get)
+    }
+
+    /// One use: a reference to each relation for its duration, `write` in the per-use memory, and whatever it left
+    /// reset, on every way out (an ERROR included).
+    ///
+    /// # Safety
+    /// The handle must be sound and not busy.
+    unsafe fn run<R>(&self, write: impl FnOnce(&Handle) -> R) -> R {
+        struct InUse<'a>(&'a Held, pg_sys::MemoryContext);
+        impl Drop for InUse<'_> {
+            fn drop(&mut self) {
+                let InUse(held, caller) = self;
+                // SAFETY: gives back what `run` took, in the same resource owner (an ERROR unwinds through here
+                // before its transaction aborts); the slot and the per-use memory hold only this use's values.
+                unsafe {
+                    pg_sys::ExecClearTuple(held.handle.slot);
+                    let per_tuple = (*held.handle.estate).es_per_tuple_exprcontext;
+                    if !per_tuple.is_null() {
+                        pg_sys::MemoryContextReset((*per_tuple).ecxt_per_tuple_memory);
+                    }
+                    pg_sys::MemoryContextSwitchTo(*caller);
+                    pg_sys::MemoryContextReset(held.per_use);
+                    for r in held.handle.relations() {
+                        pg_sys::RelationDecrementReferenceCount(r);
+                    }
+                }
+                held.busy.set(false);
+            }
+        }
+        // SAFETY: the handle is sound (the relcache entries are those it was set up with), so its pointers are
+        // valid; a reference to each is taken, as an open would.
+        let caller = unsafe {
+            for r in self.handle.relations() {
+                pg_sys::RelationIncrementReferenceCount(r);
+            }
+            pg_sys::MemoryContextSwitchTo(self.per_use)
+        };
+        self.busy.set(true);
+        let _in_use = InUse(self, caller);
+        write(&self.handle)
+    }
+
+    /// Frees the handle's memory. Its relations are not touched: their entries may be gone.
+    fn drop_memory(&self) {
+        // SAFETY: the context is ours, and nothing of it is in use (the callers drop only handles not busy).
+        unsafe { pg_sys::MemoryContextDelete(self.context) };
+    }
+}
+
+impl Handle {
+    /// Runs `insert` (index insertions of this handle), then lets each index end what it keeps between the
+    /// insertions of one command: from PostgreSQL 17, BRIN keeps its revmap's buffers pinned in `ii_AmCache`, and
+    /// those pins belong to the resource owner of the moment (a subtransaction's, the statement's), so they must go
+    /// before it ends, as ExecCloseIndices lets them go after every statement. If `insert` fails, the abort releases
+    /// the pins: the cached state is forgotten instead, and the next insertion builds a new one.
+    ///
+    /// # Safety
+    /// The handle must be in use (`with`).
+    pub unsafe fn inserting<R>(&self, insert: impl FnOnce() -> R) -> R {
+        #[cfg_attr(not(any(feature = "pg17", feature = "pg18")), allow(dead_code))]
+        struct Cleanup<'a>(&'a Handle);
+        impl Drop for Cleanup<'_> {
+            fn drop(&mut self) {
+                #[cfg(any(feature = "pg17", feature = "pg18"))]
+                // SAFETY: the ResultRelInfo's arrays have ri_NumIndices entries, open (the handle is in use).
+                unsafe {
+                    let r = &*self.0.result_rel;
+                    for i in 0..r.ri_NumIndices.max(0) as usize {
+                        let (index, info) = (*r.ri_IndexRelationDescs.add(i), *r.ri_IndexRelationInfo.add(i));
+                        if std::thread::panicking() {
+                            (*info).ii_AmCache = std::ptr::null_mut();
+                        } else {
+                            pg_sys::index_insert_cleanup(index, info);
+                        }
+                    }
+                }
+            }
+        }
+        let _cleanup = Cleanup(self);
+        insert()
+    }
+
+    /// The table, then each index.
+    fn relations(&self) -> impl Iterator<Item = pg_sys::Relation> + '_ {
+        // SAFETY: the ResultRelInfo's index array has ri_NumIndices entries.
+        let indexes = unsafe {
+            let r = &*self.result_rel;
+            (0..r.ri_NumIndices.max(0) as usize).map(move |i| *r.ri_IndexRelationDescs.add(i))
+        };
+        std::iter::once(self.rel).chain(indexes)
+    }
+}
+
+/// A memory context of default sizes under `parent`.
+///
+/// # Safety
+/// `parent` must be a live memory context.
+unsafe fn memory_context(parent: pg_sys::MemoryContext, name: &'static std::ffi::CStr) -> pg_sys::MemoryContext {
+    // SAFETY: the caller vouches for the parent; the name is static.
+    unsafe {
+        pg_sys::AllocSetContextCreateExtended(
+            parent,
+            name.as_ptr(),
+            pg_sys::ALLOCSET_DEFAULT_MINSIZE as usize,
+            pg_sys::ALLOCSET_DEFAULT_INITSIZE as usize,
+            pg_sys::ALLOCSET_DEFAULT_MAXSIZE as usize,
+        )
+    }
+}
+
+/// Runs `write` with the transaction's handle on inbox table `relid`, set up if it has none yet (or its handle went
+/// stale). What `write` allocates in the current memory context goes when it returns.
+///
+/// # Safety
+/// `relid` must be an inbox table this transaction opened and locked (RowExclusiveLock); `write` must not keep the
+/// handle's pointers, nor return anything allocated in the current memory context.
+pub unsafe fn with<R>(relid: pg_sys::Oid, write: impl FnOnce(&Handle) -> R) -> R {
+    register_callbacks();
+    let found = HELD.with(|held| {
+        let mut held = held.borrow_mut();
+        // Stale handles go on the way (a busy one stays with its use).
+        held.retain(|h| {
+            let keep = h.busy.get() || h.sound();
+            if !keep {
+                h.drop_memory();
+            }
+            keep
+        });
+        held.iter().find(|h| h.relid == relid).cloned()
+    });
+    match found {
+        // SAFETY: sound (just checked) and free.
+        Some(held) if !held.busy.get() => unsafe { held.run(write) },
+        Some(_) => {
+            // A nested use: a handle of its own, for this use only (its memory freed on every way out).
+            struct Own(Held);
+            impl Drop for Own {
+                fn drop(&mut self) {
+                    self.0.drop_memory();
+                }
+            }
+            // SAFETY: the caller vouches for the table; the new handle is sound and free.
+            unsafe {
+                let own = Own(Held::open(relid));
+                own.0.run(write)
+            }
+        }
+        None => {
+            // SAFETY: the caller vouches for the table; the new handle is sound and free.
+            let held = Rc::new(unsafe { Held::open(relid) });
+            HELD.with(|h| h.borrow_mut().push(held.clone()));
+            // SAFETY: as above.
+            unsafe { held.run(write) }
+        }
+    }
+}
+
+fn register_callbacks() {
+    if !CALLBACKS.replace(true) {
+        // SAFETY: registers guarded callbacks for the rest of the backend's life.
+        unsafe {
+            pg_sys::RegisterXactCallback(Some(at_end_of_transaction), std::ptr::null_mut());
+            pg_sys::RegisterSubXactCallback(Some(at_end_of_subtransaction), std::ptr::null_mut());
+        }
+    }
+}
+
+/// # Safety
+/// Called by PostgreSQL only, at the end of a transaction.
+#[pg_guard]
+unsafe extern "C-unwind" fn at_end_of_transaction(event: pg_sys::XactEvent::Type, _arg: *mut std::ffi::c_void) {
+    use pg_sys::XactEvent::*;
+    if matches!(
+        event,
+        XACT_EVENT_COMMIT
+            | XACT_EVENT_ABORT
+            | XACT_EVENT_PREPARE
+            | XACT_EVENT_PARALLEL_COMMIT
+            | XACT_EVENT_PARALLEL_ABORT
+    ) {
+        // Their memory goes with the transaction's, their locks with its resource owner.
+        HELD.with(|h| h.borrow_mut().clear());
+    }
+}
+
+/// # Safety
+/// Called by PostgreSQL only, at the end of a subtransaction.
+#[pg_guard]
+unsafe extern "C-unwind" fn at_end_of_subtransaction(
+    event: pg_sys::SubXactEvent::Type,
+    sub: pg_sys::SubTransactionId,
+    parent: pg_sys::SubTransactionId,
+    _arg: *mut std::ffi::c_void,
+) {
+    // Every subtransaction begun since `sub` is inside it, and has a greater id.
+    HELD.with(|h| {
+        let mut held = h.borrow_mut();
+        match event {
+            pg_sys::SubXactEvent::SUBXACT_EVENT_ABORT_SUB => held.retain(|h| {
+                // Their locks are released: the handles go. (A busy one is older than `sub`: a use that failed
+                // inside `sub` has unwound by now.)
+                let keep = h.locked_in.get() < sub;
+                if !keep {
+                    h.drop_memory();
+                }
+                keep
+            }),
+            pg_sys::SubXactEvent::SUBXACT_EVENT_COMMIT_SUB => {
+                // The locks now belong to the parent's resource owner.
+                for h in held.iter().filter(|h| h.locked_in.get() >= sub) {
+                    h.locked_in.set(parent);
+                }
+            }
+            _ => {}
+        }
+    });
+}
