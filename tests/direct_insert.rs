@@ -300,3 +300,43 @@ fn a_transaction_writes_through_one_handle_and_sees_its_own_ddl() {
     assert_eq!(count(&mut c, "dedup.inbox_h2"), 22);
     assert_no_resource_leaks(&cluster);
 }
+
+/// A rollback to a savepoint can release locks taken before the savepoint: a cursor's, whose portal it aborts
+/// (the cursor failed inside it). The next mark of the inbox must take its lock again, not trust an earlier open
+/// of the same transaction (`inbox::cache`) or write through a handle set up under that lock (`direct::handle`).
+#[test]
+fn a_mark_after_a_cursor_rolled_back_holds_its_lock_again() {
+    let (cluster, mut c) = server("cursor_locks");
+    c.batch_execute("SELECT dedup.create_inbox('cur')").unwrap();
+    wait_trusted(&mut c, "cur");
+    let locked = |c: &mut Client| -> i64 {
+        c.query_one(
+            "SELECT count(*) FROM pg_locks WHERE pid = pg_backend_pid() AND granted
+               AND relation = 'dedup.inbox_cur'::regclass AND mode = 'RowExclusiveLock'",
+            &[],
+        )
+        .unwrap()
+        .get(0)
+    };
+    c.batch_execute(
+        "BEGIN;
+         DECLARE c CURSOR FOR
+           SELECT CASE WHEN i = 2 THEN 1 / (i - 2) = 0 ELSE dedup.mark('k' || i, NULL, 'cur') END
+           FROM generate_series(1, 2) i;
+         FETCH 1 FROM c;",
+    )
+    .unwrap();
+    assert_eq!(locked(&mut c), 1, "the cursor's mark locked the inbox");
+    c.batch_execute("SAVEPOINT s").unwrap();
+    assert!(c.batch_execute("FETCH 1 FROM c").is_err(), "the cursor fails on its second row");
+    // Back in the transaction's own subtransaction, where the cursor's mark ran.
+    c.batch_execute("ROLLBACK TO SAVEPOINT s; RELEASE SAVEPOINT s").unwrap();
+    assert_eq!(locked(&mut c), 0, "the rollback released the cursor's lock");
+    // A duplicate: the mark writes nothing, so only the open can take the lock (a write would take it too).
+    assert!(!mark_in(&mut c, "k1", "cur"));
+    assert_eq!(locked(&mut c), 1, "the mark after it holds the lock again");
+    assert!(mark_in(&mut c, "y", "cur"));
+    c.batch_execute("COMMIT").unwrap();
+    assert_eq!(count(&mut c, "dedup.inbox_cur"), 2);
+    assert_no_resource_leaks(&cluster);
+}

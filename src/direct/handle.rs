@@ -15,9 +15,10 @@
 //!   could be used, and the next write sets up a new one;
 //! - every use takes a reference to each relation for its duration, as an open would;
 //! - the locks (RowExclusiveLock on the table and each index, as INSERT takes them) are taken when the handle is
-//!   set up and held to the end of the transaction; a subtransaction that took them and rolls back releases them,
-//!   so its handles go with it (`at_end_of_subtransaction`), and a transaction's end forgets every handle (their
-//!   memory is the transaction's).
+//!   set up and held to the end of the transaction; a subtransaction's rollback may release them (those it took,
+//!   and a cursor's taken before it began, whose portal it aborts), so it drops every handle not in use
+//!   (`at_end_of_subtransaction`), and a transaction's end forgets every handle (their memory is the
+//!   transaction's).
 //!
 //! A use that would nest inside another use of the same handle (a function of an index expression writing to the
 //! inbox) gets a handle of its own, set up and dropped around it.
@@ -46,8 +47,6 @@ struct Held {
     per_use: pg_sys::MemoryContext,
     /// The table's and each index's relcache entry.
     stale: Vec<Stale>,
-    /// The subtransaction whose resource owner holds the locks.
-    locked_in: Cell<pg_sys::SubTransactionId>,
     busy: Cell<bool>,
 }
 
@@ -89,7 +88,6 @@ impl Held {
                 context,
                 per_use: memory_context(context, c"pg_dedup write"),
                 stale,
-                locked_in: Cell::new(pg_sys::GetCurrentSubTransactionId()),
                 busy: Cell::new(false),
             }
         }
@@ -287,30 +285,21 @@ unsafe extern "C-unwind" fn at_end_of_transaction(event: pg_sys::XactEvent::Type
 #[pg_guard]
 unsafe extern "C-unwind" fn at_end_of_subtransaction(
     event: pg_sys::SubXactEvent::Type,
-    sub: pg_sys::SubTransactionId,
-    parent: pg_sys::SubTransactionId,
+    _sub: pg_sys::SubTransactionId,
+    _parent: pg_sys::SubTransactionId,
     _arg: *mut std::ffi::c_void,
 ) {
-    // Every subtransaction begun since `sub` is inside it, and has a greater id.
-    HELD.with(|h| {
-        let mut held = h.borrow_mut();
-        match event {
-            pg_sys::SubXactEvent::SUBXACT_EVENT_ABORT_SUB => held.retain(|h| {
-                // Their locks are released: the handles go. (A busy one is older than `sub`: a use that failed
-                // inside `sub` has unwound by now.)
-                let keep = h.locked_in.get() < sub;
-                if !keep {
+    if event == pg_sys::SubXactEvent::SUBXACT_EVENT_ABORT_SUB {
+        // Locks may have gone with it: the handles go. A busy one stays: it is the use that began the rolled-back
+        // subtransaction (a multi-insert undone), whose locks were taken before and stay (a use that failed
+        // inside the subtransaction has unwound by now).
+        HELD.with(|h| {
+            h.borrow_mut().retain(|h| {
+                if !h.busy.get() {
                     h.drop_memory();
                 }
-                keep
-            }),
-            pg_sys::SubXactEvent::SUBXACT_EVENT_COMMIT_SUB => {
-                // The locks now belong to the parent's resource owner.
-                for h in held.iter().filter(|h| h.locked_in.get() >= sub) {
-                    h.locked_in.set(parent);
-                }
-            }
-            _ => {}
-        }
-    });
+                h.busy.get()
+            })
+        });
+    }
 }

@@ -14,9 +14,11 @@ thread_local! {
     /// The last inbox opened, and how (`Opened`): the same open again needs neither the lock (held) nor the
     /// privilege check (nothing it depends on changed).
     static LAST: RefCell<Option<(Opened, Rc<Inbox>)>> = const { RefCell::new(None) };
-    /// Bumped by every invalidation of what a table privilege check reads: pg_class (a table's ACL and owner),
-    /// pg_authid (superuser) and pg_auth_members (role membership).
-    static PRIVILEGES: Cell<u64> = const { Cell::new(0) };
+    /// Bumped by whatever can change a repeated open's answer: an invalidation of what a table privilege check
+    /// reads (pg_class: a table's ACL and owner; pg_authid: superuser; pg_auth_members: role membership;
+    /// pg_database: its owner, whom `pg_database_owner` stands for), a subtransaction's rollback (which may release
+    /// locks taken before it began: a cursor's, whose portal it aborts), and a transaction's end.
+    static EPOCH: Cell<u64> = const { Cell::new(0) };
     static WATCHING: Cell<bool> = const { Cell::new(false) };
 }
 
@@ -24,12 +26,33 @@ thread_local! {
 /// Called by Postgres only, when it processes syscache invalidations; it only bumps a counter.
 #[pg_guard]
 unsafe extern "C-unwind" fn on_privileges_change(_arg: pg_sys::Datum, _cache: i32, _hash: u32) {
-    PRIVILEGES.set(PRIVILEGES.get() + 1);
+    EPOCH.set(EPOCH.get() + 1);
+}
+
+/// # Safety
+/// Called by Postgres only, at the end of a subtransaction; it only bumps a counter.
+#[pg_guard]
+unsafe extern "C-unwind" fn at_end_of_subtransaction(
+    event: pg_sys::SubXactEvent::Type,
+    _sub: pg_sys::SubTransactionId,
+    _parent: pg_sys::SubTransactionId,
+    _arg: *mut std::ffi::c_void,
+) {
+    if event == pg_sys::SubXactEvent::SUBXACT_EVENT_ABORT_SUB {
+        EPOCH.set(EPOCH.get() + 1);
+    }
+}
+
+/// # Safety
+/// Called by Postgres only, at the end of a transaction; it only bumps a counter.
+#[pg_guard]
+unsafe extern "C-unwind" fn at_end_of_transaction(_event: pg_sys::XactEvent::Type, _arg: *mut std::ffi::c_void) {
+    EPOCH.set(EPOCH.get() + 1);
 }
 
 /// An open of an inbox, as far as repeating it is concerned: for what, whether privileges were checked, by whom,
-/// in which (sub)transaction, and against which state of the catalogs. The lock is still held while the
-/// subtransaction it was taken in is the current one (a subtransaction's id is never reused in its transaction).
+/// in which (sub)transaction, and in which `EPOCH`. The lock is still held while the subtransaction it was taken
+/// in is the current one (a subtransaction's id is never reused in its transaction) and nothing rolled back since.
 #[derive(PartialEq)]
 struct Opened {
     access: Access,
@@ -37,16 +60,22 @@ struct Opened {
     transaction: pg_sys::LocalTransactionId,
     subtransaction: pg_sys::SubTransactionId,
     user: pg_sys::Oid,
-    privileges: u64,
+    epoch: u64,
 }
 
 impl Opened {
     fn now(access: Access, checked: bool) -> Opened {
         if !WATCHING.replace(true) {
+            // SAFETY: registers guarded callbacks for the rest of the backend's life.
+            unsafe {
+                pg_sys::RegisterXactCallback(Some(at_end_of_transaction), std::ptr::null_mut());
+                pg_sys::RegisterSubXactCallback(Some(at_end_of_subtransaction), std::ptr::null_mut());
+            }
             for cache in [
                 pg_sys::SysCacheIdentifier::RELOID,
                 pg_sys::SysCacheIdentifier::AUTHOID,
                 pg_sys::SysCacheIdentifier::AUTHMEMROLEMEM,
+                pg_sys::SysCacheIdentifier::DATABASEOID,
             ] {
                 // SAFETY: registers a guarded callback for the rest of the backend's life.
                 unsafe {
@@ -70,7 +99,7 @@ impl Opened {
                 transaction,
                 subtransaction: pg_sys::GetCurrentSubTransactionId(),
                 user: pg_sys::GetUserId(),
-                privileges: PRIVILEGES.get(),
+                epoch: EPOCH.get(),
             }
         }
     }
@@ -207,8 +236,8 @@ mod tests {
         // Granted through a group: revoking the membership changes nothing on the table (no invalidation of the
         // inbox's entry), only what the privilege check reads.
         run("CREATE ROLE cache_group; CREATE ROLE cache_writer IN ROLE cache_group;
-             GRANT USAGE ON SCHEMA dedup TO cache_group; GRANT SELECT ON dedup.inbox_registry TO cache_group;
-             GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA dedup TO cache_group;
+             GRANT USAGE ON SCHEMA dedup TO cache_writer; GRANT SELECT ON dedup.inbox_registry TO cache_writer;
+             GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA dedup TO cache_writer;
              SELECT dedup.create_inbox('revoked');
              GRANT SELECT, INSERT, UPDATE ON dedup.inbox_revoked TO cache_group");
         // Both marks in one subtransaction (the block's), as a statement's rows are: a repeated open.
@@ -217,8 +246,6 @@ mod tests {
                PERFORM dedup.mark('first', NULL, 'revoked');
                RESET ROLE;
                REVOKE cache_group FROM cache_writer;
-               GRANT USAGE ON SCHEMA dedup TO cache_writer; GRANT SELECT ON dedup.inbox_registry TO cache_writer;
-               GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA dedup TO cache_writer;
                SET LOCAL ROLE cache_writer;
                PERFORM dedup.mark('second', NULL, 'revoked');
                RAISE EXCEPTION 'the second mark was let through';
