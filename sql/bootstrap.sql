@@ -16,6 +16,13 @@ CREATE TYPE dedup.inbox_row AS (
     completed   boolean
 );
 
+-- What dedup.claim() returns: one row, not a set. A function returning a named composite type gets its result's
+-- descriptor from the type cache; one returning a set of OUT parameters had it built from pg_proc twice per call.
+CREATE TYPE dedup.claim_result AS (
+    state  text,
+    result jsonb
+);
+
 -- One row per inbox. The table of inbox <name> is dedup.inbox_<name>.
 CREATE TABLE dedup.inbox_registry (
     name        text PRIMARY KEY CHECK (name ~ '^[a-z_][a-z0-9_]{0,47}$'),

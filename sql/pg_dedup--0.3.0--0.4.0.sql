@@ -22,6 +22,12 @@
 --    does not read the table.
 -- 4. Batched attachments, the bulk road of ingest (docs/ingest.md): dedup.attach_batched() takes attach()'s
 --    arguments; dedup.attachment_registry and dedup.attachments get a column, batched, at the end.
+-- 5. dedup.claim() returns one row of a new composite type, dedup.claim_result (state, result), instead of a set
+--    of the same two columns: a named type's result descriptor comes from the type cache, where a set of OUT
+--    parameters had it built from pg_proc twice per call. Every documented form reads it as before
+--    (SELECT * FROM dedup.claim(...), SELECT state, result FROM dedup.claim(...), SELECT dedup.claim(...)). The
+--    function is made again (a function's result type cannot be changed in place), with the EXECUTE grants it had;
+--    a view of yours that uses it makes the update fail, naming the view: drop it, update, and create it again.
 \echo Use "ALTER EXTENSION pg_dedup UPDATE TO '0.4.0'" to load this file. \quit
 
 -- 4. (Before 1., whose attach() calls write the new column.) Batched attachments (docs/ingest.md, "The bulk road"):
@@ -161,3 +167,36 @@ VOLATILE PARALLEL UNSAFE
 LANGUAGE c
 AS 'MODULE_PATHNAME', 'attempt_wrapper';
 REVOKE ALL ON FUNCTION dedup.attempt(text, text) FROM PUBLIC;
+
+-- 5. claim() returns one row of dedup.claim_result.
+CREATE TYPE dedup.claim_result AS (
+    state  text,
+    result jsonb
+);
+DO $claim$
+DECLARE
+    grants text[];
+    g text;
+BEGIN
+    -- Who may execute it now (beside its owner), kept across its re-creation.
+    SELECT pg_catalog.array_agg(CASE WHEN a.grantee OPERATOR(pg_catalog.=) 0 THEN 'PUBLIC'
+                                     ELSE pg_catalog.quote_ident(a.grantee::pg_catalog.regrole::text) END
+                                OPERATOR(pg_catalog.||)
+                                CASE WHEN a.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END)
+      INTO grants
+      FROM pg_catalog.pg_proc p, pg_catalog.aclexplode(p.proacl) a
+     WHERE p.oid OPERATOR(pg_catalog.=)
+           'dedup.claim(text, text, interval, text, boolean, interval)'::pg_catalog.regprocedure
+       AND a.grantee OPERATOR(pg_catalog.<>) p.proowner;
+    DROP FUNCTION dedup.claim(text, text, interval, text, boolean, interval);
+    CREATE FUNCTION dedup.claim(id text, fingerprint text DEFAULT NULL, ttl interval DEFAULT NULL,
+                                inbox text DEFAULT 'default', wait boolean DEFAULT true,
+                                lease interval DEFAULT NULL)
+    RETURNS dedup.claim_result VOLATILE PARALLEL UNSAFE LANGUAGE c AS 'MODULE_PATHNAME', 'claim_wrapper';
+    REVOKE ALL ON FUNCTION dedup.claim(text, text, interval, text, boolean, interval) FROM PUBLIC;
+    FOREACH g IN ARRAY COALESCE(grants, '{}') LOOP
+        EXECUTE 'GRANT EXECUTE ON FUNCTION dedup.claim(text, text, interval, text, boolean, interval) TO '
+                OPERATOR(pg_catalog.||) g;
+    END LOOP;
+END
+$claim$;

@@ -15,11 +15,15 @@
 
 use crate::clock::{expiry, later, statement_now};
 use crate::direct::{self, Found, Row};
-use crate::errors::{raise, raise_with_sqlstate, sqlstate};
+use crate::errors::{internal, raise, raise_with_sqlstate, sqlstate};
 use crate::inbox::{self, Access, Inbox, Stmt};
 use crate::jsonb::Jsonb;
 use crate::shmem::Counter;
 use crate::{gate, input, mark, rows, xact};
+use pgrx::callconv::{BoxRet, FcInfo};
+use pgrx::pgrx_sql_entity_graph::metadata::{
+    ArgumentError, ReturnsError, ReturnsRef, SqlMappingRef, SqlTranslatable, TypeOrigin,
+};
 use pgrx::prelude::*;
 
 /// Largest result `complete()` stores: jsonb, its size decompressed.
@@ -136,15 +140,19 @@ fn claim_key(inbox: &Inbox, id: &str, row: &Row, now: TimestampWithTimeZone, wai
 
 /// Claims idempotency key `id`: one row, `state` 'new' (the caller now holds the key), 'completed' (with the
 /// stored result) or 'in_progress' (someone else holds it; only with `wait => false` or a live lease).
-#[pg_extern(volatile, parallel_unsafe)]
+#[pg_extern(sql = "
+    CREATE FUNCTION dedup.claim(id text, fingerprint text DEFAULT NULL, ttl interval DEFAULT NULL,
+                                inbox text DEFAULT 'default', wait boolean DEFAULT true, lease interval DEFAULT NULL)
+    RETURNS dedup.claim_result VOLATILE PARALLEL UNSAFE LANGUAGE c AS 'MODULE_PATHNAME', 'claim_wrapper';
+")]
 fn claim(
     id: Option<&str>,
-    fingerprint: default!(Option<&str>, "NULL"),
-    ttl: default!(Option<Interval>, "NULL"),
-    inbox: default!(Option<&str>, "'default'"),
-    wait: default!(Option<bool>, "true"),
-    lease: default!(Option<Interval>, "NULL"),
-) -> TableIterator<'static, (name!(state, String), name!(result, Option<Jsonb>))> {
+    fingerprint: Option<&str>,
+    ttl: Option<Interval>,
+    inbox: Option<&str>,
+    wait: Option<bool>,
+    lease: Option<Interval>,
+) -> Claimed {
     input::require_writable("claim");
     let id = input::id(id);
     let fingerprint = input::fingerprint(fingerprint);
@@ -169,7 +177,45 @@ fn claim(
         Answer::InProgress => ("in_progress", None, Counter::ClaimsInProgress),
     };
     inbox.count(counter, 1);
-    TableIterator::once((state.to_owned(), result))
+    Claimed { state, result }
+}
+
+/// `claim()`'s answer, one row of `dedup.claim_result` (bootstrap.sql). Not a set: a set-returning function with
+/// OUT parameters had its result descriptor built from pg_proc twice per call (by the function and by the executor
+/// starting the scan) and was entered twice (value per call); a named composite type's descriptor comes from the
+/// type cache.
+struct Claimed {
+    state: &'static str,
+    result: Option<Jsonb>,
+}
+
+// SAFETY: returns a composite datum of the function's declared result type, formed in the caller's memory context.
+unsafe impl BoxRet for Claimed {
+    unsafe fn box_into<'fcx>(self, fcinfo: &mut FcInfo<'fcx>) -> pgrx::datum::Datum<'fcx> {
+        // SAFETY: `fcinfo` is this call's; the descriptor is the declared type's (two columns: text, jsonb), and the
+        // tuple is formed from datums that live in the current memory context or longer.
+        unsafe {
+            let mut desc: pg_sys::TupleDesc = std::ptr::null_mut();
+            let class = pg_sys::get_call_result_type(fcinfo.as_mut_ptr(), std::ptr::null_mut(), &mut desc);
+            if class != pg_sys::TypeFuncClass::TYPEFUNC_COMPOSITE || (*desc).natts != 2 {
+                internal("claim()'s result type", "dedup.claim() must return dedup.claim_result (state, result)")
+            }
+            let values = [self.state.into_datum(), self.result.and_then(Jsonb::into_datum)];
+            let mut nulls = values.map(|v| v.is_none());
+            let mut datums = values.map(|v| v.unwrap_or(pg_sys::Datum::from(0)));
+            let tuple = pg_sys::heap_form_tuple(desc, datums.as_mut_ptr(), nulls.as_mut_ptr());
+            fcinfo.return_raw_datum(pg_sys::HeapTupleHeaderGetDatum((*tuple).t_data))
+        }
+    }
+}
+
+// SAFETY: maps to the composite type claim() is declared to return (its SQL is written out in `claim`'s pg_extern).
+unsafe impl SqlTranslatable for Claimed {
+    const TYPE_IDENT: &'static str = pgrx::pgrx_resolved_type!(Claimed);
+    const TYPE_ORIGIN: TypeOrigin = TypeOrigin::External;
+    const ARGUMENT_SQL: Result<SqlMappingRef, ArgumentError> = Err(ArgumentError::NotValidAsArgument("Claimed"));
+    const RETURN_SQL: Result<ReturnsRef, ReturnsError> =
+        Ok(ReturnsRef::One(SqlMappingRef::literal("dedup.claim_result")));
 }
 
 /// Stores `result` for key `id`, claimed and still in progress: in the transaction that claimed it, or (a lease)
@@ -448,6 +494,16 @@ mod tests {
         assert!(one::<bool>("SELECT dedup.release('s2', 'idem_sql')"));
         assert!(!one::<bool>("SELECT dedup.mark('s1', NULL, 'idem_sql')"), "a duplicate through the statements");
         assert!(one::<bool>("SELECT dedup.seen('s1', 'idem_sql')"));
+    }
+
+    #[pg_test]
+    fn idem_claim_returns_one_row_in_every_documented_form() {
+        assert_eq!(column("SELECT state FROM dedup.claim('f1')"), ["new"]);
+        assert_eq!(column("SELECT dedup.claim('f1')::text"), ["(in_progress,)"]);
+        run("SELECT dedup.complete('f1', '{\"a\": 1}')");
+        assert_eq!(column("SELECT state || ' ' || result::text FROM dedup.claim('f1')"), ["completed {\"a\": 1}"]);
+        assert_eq!(column("SELECT format('%s', c) FROM dedup.claim('f1') c"), ["(completed,\"{\"\"a\"\": 1}\")"]);
+        assert_eq!(one::<String>("SELECT pg_get_function_result('dedup.claim'::regproc)"), "dedup.claim_result");
     }
 
     #[pg_test]

@@ -22,9 +22,9 @@ fn surface(c: &mut Client) -> Vec<String> {
         "SELECT pg_describe_object(d.classid, d.objid, 0) FROM pg_depend d JOIN pg_extension e ON d.refobjid = e.oid
           WHERE e.extname = 'pg_dedup' AND d.deptype = 'e'
          UNION ALL
-         SELECT format('%s -> %s [%s] volatile=%s parallel=%s secdef=%s strict=%s acl=%s', p.oid::regprocedure,
-                       pg_get_function_result(p.oid), p.prosrc, p.provolatile, p.proparallel, p.prosecdef,
-                       p.proisstrict, p.proacl)
+         SELECT format('%s (%s) -> %s [%s] volatile=%s parallel=%s secdef=%s strict=%s acl=%s', p.oid::regprocedure,
+                       pg_get_function_arguments(p.oid), pg_get_function_result(p.oid), p.prosrc, p.provolatile,
+                       p.proparallel, p.prosecdef, p.proisstrict, p.proacl)
            FROM pg_proc p WHERE p.pronamespace = 'dedup'::regnamespace
          UNION ALL
          SELECT format('%s %s (%s) acl=%s options=%s', c.relkind, c.oid::regclass,
@@ -231,7 +231,10 @@ fn an_update_from_0_3_0_records_what_attached_keys_depend_on() {
     c.batch_execute(
         "DROP ROLE IF EXISTS monitor_030; CREATE ROLE monitor_030 LOGIN; GRANT USAGE ON SCHEMA dedup TO monitor_030;
          GRANT SELECT ON dedup.stats, dedup.inbox_registry, dedup.inbox_default TO monitor_030;
-         GRANT EXECUTE ON FUNCTION dedup.inbox_counters(), dedup.worker_stats(), dedup.filter_stats() TO monitor_030;",
+         GRANT EXECUTE ON FUNCTION dedup.inbox_counters(), dedup.worker_stats(), dedup.filter_stats() TO monitor_030;
+         DROP ROLE IF EXISTS api_030; CREATE ROLE api_030 LOGIN; GRANT USAGE ON SCHEMA dedup TO api_030;
+         GRANT SELECT, INSERT, UPDATE ON dedup.inbox_default TO api_030; GRANT SELECT ON dedup.inbox_registry TO api_030;
+         GRANT EXECUTE ON FUNCTION dedup.claim(text, text, interval, text, boolean, interval) TO api_030;",
     )
     .unwrap();
     drop(c);
@@ -245,6 +248,13 @@ fn an_update_from_0_3_0_records_what_attached_keys_depend_on() {
     let mut monitor = cluster().connect_as("upgrade_attach", "monitor_030");
     let inboxes: i64 = monitor.query_one("SELECT count(*) FROM dedup.stats", &[]).unwrap().get(0);
     assert_eq!(inboxes, 1, "the monitoring role still reads dedup.stats (EXECUTE on inbox_figures() came along)");
+    // claim() was made again to return one row of dedup.claim_result: its grant came along, and it reads as before.
+    let mut api = cluster().connect_as("upgrade_attach", "api_030");
+    let row = api.query_one("SELECT state, result FROM dedup.claim('k-030')", &[]).unwrap();
+    assert_eq!(row.get::<_, String>(0), "new");
+    let states: Vec<String> =
+        api.query("SELECT * FROM dedup.claim('k-030')", &[]).unwrap().iter().map(|r| r.get(0)).collect();
+    assert_eq!(states, ["completed"], "a mark of another transaction (autocommit) without complete()");
     let attached: Vec<String> =
         c.query("SELECT tbl::text FROM dedup.attachments ORDER BY 1", &[]).unwrap().iter().map(|r| r.get(0)).collect();
     assert_eq!(attached, ["by_ctid", "feed"], "the attachment of the table that is gone went");
