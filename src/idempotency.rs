@@ -241,7 +241,7 @@ fn complete(id: Option<&str>, result: default!(Option<Jsonb>, "NULL"), inbox: de
             hint,
         )
     };
-    let Some(found) = rows::find_one(&inbox, id) else {
+    let Some(found) = direct::own_claim(&inbox, id).or_else(|| rows::find_one(&inbox, id)) else {
         not_in_progress(
             "is not claimed".into(),
             "Claim it with dedup.claim() first, in this transaction or with a lease.",
@@ -494,6 +494,36 @@ mod tests {
         assert!(one::<bool>("SELECT dedup.release('s2', 'idem_sql')"));
         assert!(!one::<bool>("SELECT dedup.mark('s1', NULL, 'idem_sql')"), "a duplicate through the statements");
         assert!(one::<bool>("SELECT dedup.seen('s1', 'idem_sql')"));
+    }
+
+    #[pg_test]
+    fn idem_complete_reads_the_claim_of_its_transaction_where_claim_wrote_it() {
+        run("SELECT dedup.create_inbox('idem_own')");
+        let scans = || one::<i64>("SELECT pg_stat_get_xact_numscans('dedup.inbox_idem_own_pkey'::regclass)");
+        assert_eq!(claimed("dedup.claim('k1', 'fp', inbox => 'idem_own')"), "new -");
+        let before = scans();
+        run("SELECT dedup.complete('k1', '{\"ok\": 1}', 'idem_own')");
+        assert_eq!(scans(), before, "no scan of the primary key: the claim was read where it was written");
+        assert_eq!(claimed("dedup.claim('k1', inbox => 'idem_own')"), "completed {\"ok\": 1}");
+        assert!(error_of("SELECT dedup.complete('k1', NULL, 'idem_own')").1.contains("is already completed"));
+        // What the transaction did to the claim since is seen, as by a lookup: deleted, moved, rolled back, emptied.
+        assert_eq!(claimed("dedup.claim('k2', inbox => 'idem_own')"), "new -");
+        run("DELETE FROM dedup.inbox_idem_own WHERE id = 'k2'");
+        assert!(error_of("SELECT dedup.complete('k2', NULL, 'idem_own')").1.contains("is not claimed"));
+        assert_eq!(claimed("dedup.claim('k3', inbox => 'idem_own')"), "new -");
+        run("UPDATE dedup.inbox_idem_own SET id = 'k3-moved' WHERE id = 'k3'");
+        assert!(error_of("SELECT dedup.complete('k3', NULL, 'idem_own')").1.contains("is not claimed"));
+        run("SELECT dedup.complete('k3-moved', '1', 'idem_own')");
+        rolled_back(|| assert_eq!(claimed("dedup.claim('k4', inbox => 'idem_own')"), "new -"));
+        assert!(error_of("SELECT dedup.complete('k4', NULL, 'idem_own')").1.contains("is not claimed"));
+        assert_eq!(claimed("dedup.claim('k5', inbox => 'idem_own')"), "new -");
+        run("TRUNCATE dedup.inbox_idem_own");
+        assert!(error_of("SELECT dedup.complete('k5', NULL, 'idem_own')").1.contains("is not claimed"));
+        // Only the last claim is remembered: an earlier one is looked up.
+        assert_eq!(claimed("dedup.claim('k6', inbox => 'idem_own')"), "new -");
+        assert_eq!(claimed("dedup.claim('k7', inbox => 'idem_own')"), "new -");
+        run("SELECT dedup.complete('k6', '6', 'idem_own'); SELECT dedup.complete('k7', '7', 'idem_own')");
+        assert_eq!(column("SELECT result::text FROM dedup.inbox_idem_own WHERE completed ORDER BY id"), ["6", "7"]);
     }
 
     #[pg_test]

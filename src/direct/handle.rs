@@ -35,6 +35,10 @@ pub struct Handle {
     pub estate: *mut pg_sys::EState,
     pub result_rel: *mut pg_sys::ResultRelInfo,
     pub slot: *mut pg_sys::TupleTableSlot,
+    /// The id and place of the claim in progress this transaction wrote last through the handle, for `complete()`
+    /// to read it there rather than descend the primary key again (`lookup::own_claim`). It goes with the handle:
+    /// a rollback to a savepoint or an invalidation of the table (a TRUNCATE) forgets it.
+    claimed: RefCell<Option<(String, pg_sys::ItemPointerData)>>,
 }
 
 /// A handle and what keeps it sound.
@@ -77,7 +81,7 @@ impl Held {
             pg_sys::ExecOpenIndices(result_rel, false);
             let slot = super::row_slots(rel, 1)[0];
             pg_sys::MemoryContextSwitchTo(caller);
-            let handle = Handle { rel, estate, result_rel, slot };
+            let handle = Handle { rel, estate, result_rel, slot, claimed: RefCell::new(None) };
             let stale = handle.relations().map(|r| Stale::of((*r).rd_id)).collect();
             for r in handle.relations() {
                 pg_sys::RelationDecrementReferenceCount(r);
@@ -177,6 +181,23 @@ impl Handle {
         insert()
     }
 
+    /// Remembers that the row at `tid` is the claim of `id` in progress this transaction just wrote.
+    pub fn remember_claim(&self, id: &str, tid: pg_sys::ItemPointerData) {
+        *self.claimed.borrow_mut() = Some((id.to_owned(), tid));
+    }
+
+    /// Where the last claim remembered was written, if it was a claim of `id` (forgotten once asked for).
+    pub fn take_claim(&self, id: &str) -> Option<pg_sys::ItemPointerData> {
+        let mut claimed = self.claimed.borrow_mut();
+        match claimed.take() {
+            Some((claimed_id, tid)) if claimed_id == id => Some(tid),
+            other => {
+                *claimed = other;
+                None
+            }
+        }
+    }
+
     /// The table, then each index.
     fn relations(&self) -> impl Iterator<Item = pg_sys::Relation> + '_ {
         // SAFETY: the ResultRelInfo's index array has ri_NumIndices entries.
@@ -250,6 +271,17 @@ pub unsafe fn with<R>(relid: pg_sys::Oid, write: impl FnOnce(&Handle) -> R) -> R
             unsafe { held.run(write) }
         }
     }
+}
+
+/// Runs `read` with the transaction's handle on inbox table `relid` if it has a sound one not in use (None
+/// otherwise: nothing is set up for it). For what a handle remembers between uses.
+///
+/// # Safety
+/// As for `with`.
+pub unsafe fn with_held<R>(relid: pg_sys::Oid, read: impl FnOnce(&Handle) -> R) -> Option<R> {
+    let held = HELD.with(|held| held.borrow().iter().find(|h| h.relid == relid).cloned())?;
+    // SAFETY: checked sound and free; the caller vouches for the rest.
+    (!held.busy.get() && held.sound()).then(|| unsafe { held.run(read) })
 }
 
 fn register_callbacks() {

@@ -42,7 +42,14 @@ pub fn insert(inbox: &Inbox, ids: &[&str], row: &Row) -> usize {
             ids.len()
         } else {
             // SAFETY: the table is open, with RowExclusiveLock, and its shape `plain`.
-            unsafe { insert_each(table, inbox.ns, ids, &values) }
+            let inserted = unsafe { insert_each(table, inbox.ns, ids, &values) };
+            if let ([id], 1, Some(false)) = (ids, inserted, row.completed) {
+                // A claim in progress, which complete() will look for in this transaction. The slot still holds
+                // the row just inserted, and so where it went.
+                // SAFETY: the handle's slot, in use.
+                table.remember_claim(id, unsafe { (*table.slot).tts_tid });
+            }
+            inserted
         }
     })
 }
@@ -99,7 +106,7 @@ unsafe fn insert_each(table: &Handle, ns: u64, ids: &[&str], values: &Values) ->
 /// # Safety
 /// As for `insert_each`.
 unsafe fn insert_one(table: &Handle, ns: u64, id: &str, values: &Values) -> bool {
-    let Handle { rel, estate, result_rel, slot } = *table;
+    let Handle { rel, estate, result_rel, slot, .. } = *table;
     // SAFETY: the caller vouches for the handle; the speculative token is taken and released around the row's index
     // entries, as ExecInsert does.
     unsafe {

@@ -43,6 +43,69 @@ pub fn find_one(inbox: &Inbox, id: &str) -> Option<Found> {
     unsafe { with_scan(inbox, pg_sys::CurrentMemoryContext, |scan| scan.one(id)) }
 }
 
+/// The claim in progress of `id` that this transaction's last `claim()` wrote (`Handle::remember_claim`), read at
+/// the place it was written instead of through the primary key: `complete()` in the claim's own transaction, its
+/// usual case, skips a descent and an index scan's set-up. It is read under a fresh snapshot as `find_one` would
+/// read it, so a version that a later statement of the transaction changed or deleted is invisible there, and the
+/// caller looks the id up as usual (None); so is anything else (no claim remembered, another id's).
+pub fn own_claim(inbox: &Inbox, id: &str) -> Option<Found> {
+    if !readable(inbox) {
+        return None;
+    }
+    // SAFETY: `pg_sys::CurrentMemoryContext` is the caller's, live after this returns.
+    let caller = unsafe { pg_sys::CurrentMemoryContext };
+    // SAFETY: the inbox was opened and locked by this transaction. The remembered place is in the table the handle
+    // has open (a TRUNCATE or any rewrite invalidates the table and so drops the handle with what it remembered),
+    // which this transaction holds locked, so no VACUUM can have cut it off. The snapshot is registered for the
+    // fetch only; the row is copied into the caller's memory context before the slot lets go of its buffer.
+    unsafe {
+        super::handle::with_held(inbox.relid, |table| {
+            let mut tid = table.take_claim(id)?;
+            pg_sys::CommandCounterIncrement();
+            let snapshot = pg_sys::RegisterSnapshot(pg_sys::GetTransactionSnapshot());
+            let visible = pg_sys::table_tuple_fetch_row_version(table.rel, &mut tid, snapshot, table.slot);
+            pg_sys::UnregisterSnapshot(snapshot);
+            // The place holds this id's row (it held it when remembered; checked all the same, it costs little).
+            if !visible || entry_id(table.slot) != id.as_bytes() {
+                return None;
+            }
+            let scratch = pg_sys::MemoryContextSwitchTo(caller);
+            let row = read(table.slot);
+            pg_sys::MemoryContextSwitchTo(scratch);
+            Some(row)
+        })
+        .flatten()
+    }
+}
+
+/// The id of the inbox row `slot` holds, as bytes.
+///
+/// # Safety
+/// `slot` must hold a row of an inbox table of `plain` shape; the bytes live as long as the slot holds it.
+unsafe fn entry_id<'a>(slot: *mut pg_sys::TupleTableSlot) -> &'a [u8] {
+    // SAFETY: the caller vouches for the slot; id is the first column, NOT NULL.
+    unsafe {
+        pg_sys::slot_getsomeattrs(slot, 1);
+        text_bytes(*(*slot).tts_values)
+    }
+}
+
+/// The bytes of a text datum (detoasted if it was stored compressed).
+///
+/// # Safety
+/// `datum` must be a non-NULL text datum; the bytes live as long as it does (or, when it was compressed, as long as
+/// the current memory context).
+unsafe fn text_bytes<'a>(datum: pg_sys::Datum) -> &'a [u8] {
+    // SAFETY: the caller vouches for the datum.
+    unsafe {
+        let text = pg_sys::pg_detoast_datum_packed(datum.cast_mut_ptr());
+        std::slice::from_raw_parts(
+            pgrx::varlena::vardata_any(text) as *const u8,
+            pgrx::varlena::varsize_any_exhdr(text),
+        )
+    }
+}
+
 /// The row of each of `ids`, in order, read with one snapshot.
 ///
 /// Ids in ascending byte order (what `mark()`'s algorithm probes) are found by walking the index forward from the
@@ -240,13 +303,8 @@ unsafe fn walk(
 unsafe fn entry_key<'a>(scan: pg_sys::IndexScanDesc) -> &'a [u8] {
     // SAFETY: the caller vouches for the scan; the primary key's column is never NULL.
     unsafe {
-        let datum = pg_sys::nocache_index_getattr((*scan).xs_itup, 1, (*scan).xs_itupdesc);
         // A long id may be stored compressed in the index.
-        let text = pg_sys::pg_detoast_datum_packed(datum.cast_mut_ptr());
-        std::slice::from_raw_parts(
-            pgrx::varlena::vardata_any(text) as *const u8,
-            pgrx::varlena::varsize_any_exhdr(text),
-        )
+        text_bytes(pg_sys::nocache_index_getattr((*scan).xs_itup, 1, (*scan).xs_itupdesc))
     }
 }
 

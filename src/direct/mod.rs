@@ -3,7 +3,8 @@
 //! RETURNING row) rather than on the row:
 //! - `insert`: ids the filter vouches for, into heap and indexes;
 //! - `delete`: expired rows, found through the `expires_at` btree, for the purge;
-//! - `lookup`: the row of one id, through the primary key, as a statement of this transaction would see it;
+//! - `lookup`: the row of one id, through the primary key, as a statement of this transaction would see it (or, for
+//!   the claim this transaction just wrote, where it was written);
 //! - `update`: a claim this transaction wrote, completed in place.
 //!
 //! Only tables whose `Shape` is `plain` qualify: the inbox row type exactly, and nothing the executor would have to
@@ -18,7 +19,7 @@ mod update;
 
 pub use delete::delete_expired;
 pub use insert::{insert, insert_new};
-pub use lookup::{find_each, find_one, readable, Found};
+pub use lookup::{find_each, find_one, own_claim, readable, Found};
 pub use update::complete_own;
 
 use crate::jsonb::Jsonb;

@@ -27,7 +27,7 @@ pub fn complete_own(inbox: &Inbox, id: &str, found: &Found, result: Option<Jsonb
     // SAFETY: the table was opened and locked (RowExclusiveLock) by this transaction.
     unsafe {
         handle::with(inbox.relid, |table| {
-            let Handle { rel, estate, result_rel, slot } = *table;
+            let Handle { rel, estate, result_rel, slot, .. } = *table;
             store_row(slot, id, &Values::of(&row));
             if let Some(entries) = ports::simple_table_tuple_update(rel, &mut tid, slot, pg_sys::GetActiveSnapshot()) {
                 table.inserting(|| ports::ExecInsertIndexTuples(result_rel, slot, estate, None, entries));
