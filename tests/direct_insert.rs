@@ -301,6 +301,52 @@ fn a_transaction_writes_through_one_handle_and_sees_its_own_ddl() {
     assert_no_resource_leaks(&cluster);
 }
 
+/// A write handle outlives its transaction (src/direct/handle.rs): the next transaction takes its locks again, which
+/// processes what other sessions changed meanwhile, and a handle whose table or indexes changed is set up anew. A
+/// handle that wrote through a dropped index, missed a new one or kept a rewritten table's old file would crash,
+/// fail or leave an index without the new row.
+#[test]
+fn a_handle_kept_across_transactions_sees_what_others_changed_meanwhile() {
+    let (cluster, mut c) = server("kept_handle");
+    let mut other = cluster.connect("kept_handle");
+    c.batch_execute("SELECT dedup.create_inbox('kept')").unwrap();
+    wait_trusted(&mut c, "kept");
+    let by_index = |c: &mut Client, doubled: &str| -> i64 {
+        c.batch_execute("BEGIN; SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off").unwrap();
+        let n = c.query_one("SELECT count(*) FROM dedup.inbox_kept WHERE id || id = $1", &[&doubled]).unwrap().get(0);
+        c.batch_execute("COMMIT").unwrap();
+        n
+    };
+    assert!(mark_in(&mut c, "a", "kept"));
+    other.batch_execute("CREATE INDEX kept_doubled ON dedup.inbox_kept ((id || id))").unwrap();
+    assert!(mark_in(&mut c, "b", "kept"));
+    assert_eq!(by_index(&mut c, "bb"), 1, "the index another session made meanwhile has the new row");
+    other.batch_execute("DROP INDEX dedup.kept_doubled").unwrap();
+    other.batch_execute("VACUUM FULL dedup.inbox_kept").unwrap();
+    assert!(mark_in(&mut c, "c", "kept"), "written without the dropped index, into the rewritten table");
+    assert!(!mark_in(&mut c, "b", "kept"));
+    // In a transaction of its own, the handle holds the locks an INSERT would: on the table and on each index.
+    c.batch_execute("BEGIN").unwrap();
+    assert!(mark_in(&mut c, "d", "kept"));
+    let locked: i64 = c
+        .query_one(
+            "SELECT count(*) FROM pg_locks l JOIN pg_class r ON r.oid = l.relation
+              WHERE l.pid = pg_backend_pid() AND l.granted AND l.mode = 'RowExclusiveLock'
+                AND r.relname IN ('inbox_kept', 'inbox_kept_pkey', 'inbox_kept_expires_at_idx')",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(locked, 3, "the table and both indexes are locked again in the new transaction");
+    assert_eq!(trigger_calls(&mut c), 0, "the mark was written through the handle, not by the executor");
+    c.batch_execute("COMMIT").unwrap();
+    other.batch_execute("SELECT dedup.drop_inbox('kept'); SELECT dedup.create_inbox('kept')").unwrap();
+    wait_trusted(&mut c, "kept");
+    assert!(mark_in(&mut c, "a", "kept"), "the inbox made again is empty");
+    assert_eq!(count(&mut c, "dedup.inbox_kept"), 1);
+    assert_no_resource_leaks(&cluster);
+}
+
 /// A rollback to a savepoint can release locks taken before the savepoint: a cursor's, whose portal it aborts
 /// (the cursor failed inside it). The next mark of the inbox must take its lock again, not trust an earlier open
 /// of the same transaction (`inbox::cache`) or write through a handle set up under that lock (`direct::handle`).

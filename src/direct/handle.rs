@@ -1,24 +1,26 @@
-//! One write handle per inbox table per transaction: the table, its indexes open for insertion, an executor state
-//! and a slot, set up at the first direct write of a transaction and reused by every later one.
+//! Write handles on inbox tables, one per table, kept for the life of the backend: the table, its indexes open for
+//! insertion, an executor state and a slot, set up at the first direct write and reused by every later one, in
+//! this transaction and the next ones.
 //!
 //! Why: setting them up is most of a single row's work outside the heap and the btree. An attached table's row
 //! trigger wrote each row of a COPY through a fresh executor state, ResultRelInfo and index opens (ExecOpenIndices
 //! with an IndexInfo per index, a lock taken and dropped per index, a tuple descriptor copied for the slot): about a
-//! fifth of its instructions (callgrind), and `claim()` then `complete()` did it twice per request.
+//! fifth of its instructions (callgrind). Set up once per transaction instead, it was still 8.9 thousand
+//! instructions of every transaction that marks one new id or claims one key, 4% of a `claim()` + `complete()`
+//! request.
 //!
 //! How it stays sound between uses, when it holds no relcache reference (so the transaction's own DDL on the inbox,
 //! whose `CheckTableNotInUse` counts references, and the resource owners' leak checks at the end of a statement
 //! see nothing open):
+//! - the locks (RowExclusiveLock on the table and each index, as INSERT takes them) are taken again before the
+//!   first use after anything that may have released them: the end of a transaction, and a subtransaction's
+//!   rollback (which releases those it took, and a cursor's taken before it began, whose portal it aborts). Taking
+//!   a lock anew processes the invalidations that arrived meanwhile, as any relation open does;
 //! - the relcache entries of the table and its indexes are watched (`relcache::Stale`): an invalidation of any of
-//!   them (the transaction's own DDL, another session's VACUUM or concurrent index build; any DDL that would change
-//!   the table under us waits for our lock), or a reset of the whole cache, drops the handle before its pointers
-//!   could be used, and the next write sets up a new one;
-//! - every use takes a reference to each relation for its duration, as an open would;
-//! - the locks (RowExclusiveLock on the table and each index, as INSERT takes them) are taken when the handle is
-//!   set up and held to the end of the transaction; a subtransaction's rollback may release them (those it took,
-//!   and a cursor's taken before it began, whose portal it aborts), so it drops every handle not in use
-//!   (`at_end_of_subtransaction`), and a transaction's end forgets every handle (their memory is the
-//!   transaction's).
+//!   them (DDL of this or another transaction, another session's VACUUM or concurrent index build, a rolled-back
+//!   transaction's DDL undone, a reset of the whole cache) drops the handle before its pointers could be used, and
+//!   the next write sets up a new one;
+//! - every use takes a reference to each relation for its duration, as an open would.
 //!
 //! A use that would nest inside another use of the same handle (a function of an index expression writing to the
 //! inbox) gets a handle of its own, set up and dropped around it.
@@ -45,30 +47,39 @@ pub struct Handle {
 struct Held {
     relid: pg_sys::Oid,
     handle: Handle,
-    /// Holds the executor state, the slot and `per_use`; a child of TopTransactionContext.
+    /// Holds the executor state, the slot and `per_use`; a child of TopMemoryContext.
     context: pg_sys::MemoryContext,
     /// Reset after every use: what a write allocates (datums, index tuples).
     per_use: pg_sys::MemoryContext,
-    /// The table's and each index's relcache entry.
-    stale: Vec<Stale>,
+    /// The table and each index, with whether its relcache entry went stale.
+    relations: Vec<(pg_sys::Oid, Stale)>,
+    /// The `LOCKS` generation in which the locks were last taken.
+    locked: Cell<u64>,
     busy: Cell<bool>,
 }
 
+/// Handles kept at most: a backend writing to more inboxes than this sets some up again now and then.
+const MAX_HELD: usize = 16;
+
 thread_local! {
+    /// The handles, the one used last at the end.
     static HELD: RefCell<Vec<Rc<Held>>> = const { RefCell::new(Vec::new()) };
+    /// Bumped whenever locks may have been released (a transaction's end, a subtransaction's rollback): a handle
+    /// locked in an earlier generation takes its locks again before its next use.
+    static LOCKS: Cell<u64> = const { Cell::new(1) };
     static CALLBACKS: Cell<bool> = const { Cell::new(false) };
 }
 
 impl Held {
-    /// Sets up a handle on inbox table `relid`.
+    /// Sets up a handle on inbox table `relid`, locked in this transaction.
     ///
     /// # Safety
     /// `relid` must be a table this transaction may insert into.
     unsafe fn open(relid: pg_sys::Oid) -> Held {
-        // SAFETY: everything is allocated in a context of our own under the transaction's; the references taken
-        // by the opens are given back at the end, the locks kept.
+        // SAFETY: everything is allocated in a context of our own, which lives until the handle is dropped; the
+        // references taken by the opens are given back at the end, the locks kept.
         unsafe {
-            let context = memory_context(pg_sys::TopTransactionContext, c"pg_dedup write handle");
+            let context = memory_context(pg_sys::TopMemoryContext, c"pg_dedup write handle");
             let caller = pg_sys::MemoryContextSwitchTo(context);
             let rel = pg_sys::table_open(relid, pg_sys::RowExclusiveLock as pg_sys::LOCKMODE);
             let estate = pg_sys::CreateExecutorState();
@@ -82,7 +93,7 @@ impl Held {
             let slot = super::row_slots(rel, 1)[0];
             pg_sys::MemoryContextSwitchTo(caller);
             let handle = Handle { rel, estate, result_rel, slot, claimed: RefCell::new(None) };
-            let stale = handle.relations().map(|r| Stale::of((*r).rd_id)).collect();
+            let relations = handle.relations().map(|r| ((*r).rd_id, Stale::of((*r).rd_id))).collect();
             for r in handle.relations() {
                 pg_sys::RelationDecrementReferenceCount(r);
             }
@@ -91,14 +102,28 @@ impl Held {
                 handle,
                 context,
                 per_use: memory_context(context, c"pg_dedup write"),
-                stale,
+                relations,
+                locked: Cell::new(LOCKS.get()),
                 busy: Cell::new(false),
             }
         }
     }
 
     fn sound(&self) -> bool {
-        !self.stale.iter().any(Stale::get)
+        !self.relations.iter().any(|(_, stale)| stale.get())
+    }
+
+    /// Takes the locks again if they may have been released since they were taken, which processes the
+    /// invalidations that arrived meanwhile; then whether the handle is still sound.
+    fn relocked(&self) -> bool {
+        let generation = LOCKS.get();
+        if self.locked.replace(generation) != generation && self.sound() {
+            for (relid, _) in &self.relations {
+                // SAFETY: locks a relation by oid, as the executor's opens do (held until the transaction ends).
+                unsafe { pg_sys::LockRelationOid(*relid, pg_sys::RowExclusiveLock as pg_sys::LOCKMODE) };
+            }
+        }
+        self.sound()
     }
 
     /// One use: a reference to each relation for its duration, `write` in the per-use memory, and whatever it left
@@ -226,7 +251,18 @@ unsafe fn memory_context(parent: pg_sys::MemoryContext, name: &'static std::ffi:
     }
 }
 
-/// Runs `write` with the transaction's handle on inbox table `relid`, set up if it has none yet (or its handle went
+/// The handle on `relid`, if one is held, made the one used last.
+fn find(relid: pg_sys::Oid) -> Option<Rc<Held>> {
+    HELD.with(|held| {
+        let mut held = held.borrow_mut();
+        let at = held.iter().position(|h| h.relid == relid)?;
+        let found = held.remove(at);
+        held.push(found.clone());
+        Some(found)
+    })
+}
+
+/// Runs `write` with the backend's handle on inbox table `relid`, set up if it has none yet (or its handle went
 /// stale). What `write` allocates in the current memory context goes when it returns.
 ///
 /// # Safety
@@ -234,9 +270,11 @@ unsafe fn memory_context(parent: pg_sys::MemoryContext, name: &'static std::ffi:
 /// handle's pointers, nor return anything allocated in the current memory context.
 pub unsafe fn with<R>(relid: pg_sys::Oid, write: impl FnOnce(&Handle) -> R) -> R {
     register_callbacks();
-    let found = HELD.with(|held| {
+    // Locked again first: that may find it stale, and then it goes below with the others.
+    let found = find(relid).filter(|h| h.busy.get() || h.relocked());
+    // Stale handles go on the way (a busy one stays with its use), and the least recently used beyond MAX_HELD.
+    HELD.with(|held| {
         let mut held = held.borrow_mut();
-        // Stale handles go on the way (a busy one stays with its use).
         held.retain(|h| {
             let keep = h.busy.get() || h.sound();
             if !keep {
@@ -244,10 +282,13 @@ pub unsafe fn with<R>(relid: pg_sys::Oid, write: impl FnOnce(&Handle) -> R) -> R
             }
             keep
         });
-        held.iter().find(|h| h.relid == relid).cloned()
+        while held.len() > MAX_HELD {
+            let Some(oldest) = held.iter().position(|h| !h.busy.get()) else { break };
+            held.remove(oldest).drop_memory();
+        }
     });
     match found {
-        // SAFETY: sound (just checked) and free.
+        // SAFETY: sound and locked (just checked), and free.
         Some(held) if !held.busy.get() => unsafe { held.run(write) },
         Some(_) => {
             // A nested use: a handle of its own, for this use only (its memory freed on every way out).
@@ -273,15 +314,15 @@ pub unsafe fn with<R>(relid: pg_sys::Oid, write: impl FnOnce(&Handle) -> R) -> R
     }
 }
 
-/// Runs `read` with the transaction's handle on inbox table `relid` if it has a sound one not in use (None
+/// Runs `read` with the backend's handle on inbox table `relid` if it has a sound one not in use (None
 /// otherwise: nothing is set up for it). For what a handle remembers between uses.
 ///
 /// # Safety
 /// As for `with`.
 pub unsafe fn with_held<R>(relid: pg_sys::Oid, read: impl FnOnce(&Handle) -> R) -> Option<R> {
-    let held = HELD.with(|held| held.borrow().iter().find(|h| h.relid == relid).cloned())?;
-    // SAFETY: checked sound and free; the caller vouches for the rest.
-    (!held.busy.get() && held.sound()).then(|| unsafe { held.run(read) })
+    let held = find(relid)?;
+    // SAFETY: checked sound, locked and free; the caller vouches for the rest.
+    (!held.busy.get() && held.relocked()).then(|| unsafe { held.run(read) })
 }
 
 fn register_callbacks() {
@@ -292,6 +333,18 @@ fn register_callbacks() {
             pg_sys::RegisterSubXactCallback(Some(at_end_of_subtransaction), std::ptr::null_mut());
         }
     }
+}
+
+/// A claim remembered by a handle is where this transaction wrote it: forgotten when the transaction ends (no lock
+/// is held on the table then, and a VACUUM may cut the place off) and when a subtransaction rolls back (the claim
+/// may have been its).
+fn locks_may_be_gone() {
+    LOCKS.set(LOCKS.get() + 1);
+    HELD.with(|held| {
+        for h in held.borrow().iter() {
+            h.handle.claimed.borrow_mut().take();
+        }
+    });
 }
 
 /// # Safety
@@ -307,8 +360,8 @@ unsafe extern "C-unwind" fn at_end_of_transaction(event: pg_sys::XactEvent::Type
             | XACT_EVENT_PARALLEL_COMMIT
             | XACT_EVENT_PARALLEL_ABORT
     ) {
-        // Their memory goes with the transaction's, their locks with its resource owner.
-        HELD.with(|h| h.borrow_mut().clear());
+        // The locks go with the transaction's resource owner; the handles stay, for the next transaction.
+        locks_may_be_gone();
     }
 }
 
@@ -322,16 +375,8 @@ unsafe extern "C-unwind" fn at_end_of_subtransaction(
     _arg: *mut std::ffi::c_void,
 ) {
     if event == pg_sys::SubXactEvent::SUBXACT_EVENT_ABORT_SUB {
-        // Locks may have gone with it: the handles go. A busy one stays: it is the use that began the rolled-back
-        // subtransaction (a multi-insert undone), whose locks were taken before and stay (a use that failed
-        // inside the subtransaction has unwound by now).
-        HELD.with(|h| {
-            h.borrow_mut().retain(|h| {
-                if !h.busy.get() {
-                    h.drop_memory();
-                }
-                h.busy.get()
-            })
-        });
+        // Locks may have gone with it. A busy handle is the use that began the rolled-back subtransaction (a
+        // multi-insert undone), whose locks were taken before and stay; the next use takes them again anyway.
+        locks_may_be_gone();
     }
 }
