@@ -26,8 +26,11 @@
 --    of the same two columns: a named type's result descriptor comes from the type cache, where a set of OUT
 --    parameters had it built from pg_proc twice per call. Every documented form reads it as before
 --    (SELECT * FROM dedup.claim(...), SELECT state, result FROM dedup.claim(...), SELECT dedup.claim(...)). The
---    function is made again (a function's result type cannot be changed in place), with the EXECUTE grants it had;
---    a view of yours that uses it makes the update fail, naming the view: drop it, update, and create it again.
+--    function is made again (a function's result type cannot be changed in place), with the EXECUTE grants it had
+--    (given anew by the extension's owner); a view or a SQL function body (BEGIN ATOMIC) of yours that uses it
+--    makes the update fail, naming it: drop it, update, and create it again. `SELECT dedup.claim(...)` without
+--    FROM now returns a dedup.claim_result (was record), and a session that prepared a statement calling claim()
+--    before the update gets "cached plan must not change result type" once.
 \echo Use "ALTER EXTENSION pg_dedup UPDATE TO '0.4.0'" to load this file. \quit
 
 -- 4. (Before 1., whose attach() calls write the new column.) Batched attachments (docs/ingest.md, "The bulk road"):
@@ -179,8 +182,9 @@ DECLARE
     g text;
 BEGIN
     -- Who may execute it now (beside its owner), kept across its re-creation.
+    -- (regrole's text is the name quoted as an identifier already.)
     SELECT pg_catalog.array_agg(CASE WHEN a.grantee OPERATOR(pg_catalog.=) 0 THEN 'PUBLIC'
-                                     ELSE pg_catalog.quote_ident(a.grantee::pg_catalog.regrole::text) END
+                                     ELSE a.grantee::pg_catalog.regrole::text END
                                 OPERATOR(pg_catalog.||)
                                 CASE WHEN a.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END)
       INTO grants

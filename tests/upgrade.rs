@@ -234,7 +234,10 @@ fn an_update_from_0_3_0_records_what_attached_keys_depend_on() {
          GRANT EXECUTE ON FUNCTION dedup.inbox_counters(), dedup.worker_stats(), dedup.filter_stats() TO monitor_030;
          DROP ROLE IF EXISTS api_030; CREATE ROLE api_030 LOGIN; GRANT USAGE ON SCHEMA dedup TO api_030;
          GRANT SELECT, INSERT, UPDATE ON dedup.inbox_default TO api_030; GRANT SELECT ON dedup.inbox_registry TO api_030;
-         GRANT EXECUTE ON FUNCTION dedup.claim(text, text, interval, text, boolean, interval) TO api_030;",
+         GRANT EXECUTE ON FUNCTION dedup.claim(text, text, interval, text, boolean, interval) TO api_030;
+         DROP ROLE IF EXISTS \"Api Team\"; CREATE ROLE \"Api Team\";
+         GRANT EXECUTE ON FUNCTION dedup.claim(text, text, interval, text, boolean, interval)
+           TO \"Api Team\" WITH GRANT OPTION;",
     )
     .unwrap();
     drop(c);
@@ -255,6 +258,15 @@ fn an_update_from_0_3_0_records_what_attached_keys_depend_on() {
     let states: Vec<String> =
         api.query("SELECT * FROM dedup.claim('k-030')", &[]).unwrap().iter().map(|r| r.get(0)).collect();
     assert_eq!(states, ["completed"], "a mark of another transaction (autocommit) without complete()");
+    let kept: bool = c
+        .query_one(
+            "SELECT has_function_privilege('Api Team', 'dedup.claim(text, text, interval, text, boolean, interval)',
+                                           'EXECUTE WITH GRANT OPTION')",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert!(kept, "a grant to a role whose name needs quoting came along, with its grant option");
     let attached: Vec<String> =
         c.query("SELECT tbl::text FROM dedup.attachments ORDER BY 1", &[]).unwrap().iter().map(|r| r.get(0)).collect();
     assert_eq!(attached, ["by_ctid", "feed"], "the attachment of the table that is gone went");
