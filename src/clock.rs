@@ -13,9 +13,9 @@ pub fn statement_now() -> TimestampWithTimeZone {
 
 /// Microseconds in a day.
 const USECS_PER_DAY: i64 = 86_400_000_000;
-/// The end of timestamptz's range (exclusive; PostgreSQL's END_TIMESTAMP): a sum past it is left to Postgres, which
-/// raises its own "out of range" error.
-const END_TIMESTAMP: i64 = 9_223_371_331_200_000_000;
+/// timestamptz's finite range, PostgreSQL's MIN_TIMESTAMP (inclusive) to END_TIMESTAMP (exclusive): a sum whose
+/// steps leave it is left to Postgres, which raises its own "out of range" error.
+const FINITE: std::ops::Range<i64> = -211_813_488_000_000_000..9_223_371_331_200_000_000;
 
 /// `now + ttl` with Postgres' own calendar arithmetic (months and days follow the session time zone).
 pub fn expiry(now: TimestampWithTimeZone, ttl: Interval) -> TimestampWithTimeZone {
@@ -23,15 +23,19 @@ pub fn expiry(now: TimestampWithTimeZone, ttl: Interval) -> TimestampWithTimeZon
     // always 24 hours, so a TTL of days and time is a plain sum. `timestamptz_pl_interval` breaks the timestamp
     // into calendar fields and back even then: over a thousand instructions, which every new mark and claim of a
     // transaction paid (callgrind). Months always go through the calendar.
-    if ttl.months() == 0 {
+    // Postgres adds the days, checks the range, then adds the time and checks again: so does the sum (and an
+    // infinite `now`, which Postgres returns as it is, goes to Postgres).
+    let start = pg_sys::TimestampTz::from(now);
+    if ttl.months() == 0 && FINITE.contains(&start) {
         let mut offset: std::ffi::c_long = 0;
         // SAFETY: the session's time zone is set once the backend runs SQL; the call only reads it.
         if unsafe { pg_sys::pg_get_timezone_offset(pg_sys::session_timezone, &mut offset) } {
             let sum = (ttl.days() as i64)
                 .checked_mul(USECS_PER_DAY)
-                .and_then(|days| days.checked_add(ttl.micros()))
-                .and_then(|span| pg_sys::TimestampTz::from(now).checked_add(span))
-                .filter(|end| *end < END_TIMESTAMP);
+                .and_then(|days| start.checked_add(days))
+                .filter(|day| FINITE.contains(day))
+                .and_then(|day| day.checked_add(ttl.micros()))
+                .filter(|end| FINITE.contains(end));
             if let Some(end) = sum.and_then(|end| TimestampWithTimeZone::try_from(end).ok()) {
                 return end;
             }
@@ -121,7 +125,7 @@ mod tests {
         // Zones without daylight saving (UTC, a fixed offset) take the sum; the others, and months, the calendar.
         // Around a DST change a day is 23 or 25 hours in Europe/Berlin and exactly 24 in the fixed zones.
         let starts = ["'2024-03-30 12:00:00+00'", "'2024-10-26 23:30:00+00'", "now()", "'-infinity'", "'infinity'"];
-        let ttls = ["1 day", "3 days", "36 hours", "1 day 02:00:00.000001", "1 mon", "-1 day", "3660 days"];
+        let ttls = ["1 day", "3 days", "36 hours", "1 day 02:00:00.000001", "1 mon", "-1 day", "-10 days", "3660 days"];
         for zone in ["UTC", "+05:30", "Europe/Berlin", "America/Sao_Paulo", "Asia/Kolkata"] {
             run(&format!("SET LOCAL TIME ZONE '{zone}'"));
             for start in starts {
@@ -135,6 +139,15 @@ mod tests {
             }
         }
         run("RESET TIME ZONE");
+        // At the end of the range Postgres raises "out of range" when a step leaves it, even if the next comes back.
+        let near_end = one::<TimestampWithTimeZone>("SELECT '294276-12-30 00:00:00+00'::timestamptz");
+        for ttl in ["3 days", "2 days -25 hours"] {
+            let ttl = one::<Interval>(&format!("SELECT interval '{ttl}'"));
+            let raised = crate::xact::subtransaction(|| super::expiry(near_end, ttl))
+                .err()
+                .map(|e| crate::xact::report_of(&e).sql_error_code());
+            assert_eq!(raised, Some(PgSqlErrorCode::ERRCODE_DATETIME_FIELD_OVERFLOW), "{ttl:?}");
+        }
     }
 
     #[pg_test]
