@@ -181,9 +181,9 @@ fn claim(
 }
 
 /// `claim()`'s answer, one row of `dedup.claim_result` (bootstrap.sql). Not a set: a set-returning function with
-/// OUT parameters had its result descriptor built from pg_proc twice per call (by the function and by the executor
-/// starting the scan) and was entered twice (value per call); a named composite type's descriptor comes from the
-/// type cache.
+/// OUT parameters had its result descriptor built from pg_proc's argument arrays twice per call (by the function and
+/// by the executor starting the scan) and was entered twice (value per call); for a named composite type it is a
+/// copy of the type cache's.
 struct Claimed {
     state: &'static str,
     result: Option<Jsonb>,
