@@ -102,6 +102,17 @@ pub fn count(client: &mut Client, table: &str) -> i64 {
     client.query_one(&format!("SELECT count(*) FROM {table}"), &[]).expect("count").get(0)
 }
 
+/// The anonymous (heap) memory of server process `pid`, in bytes: palloc'd and Rust memory, not shared buffers.
+pub fn anonymous_bytes(pid: i32) -> u64 {
+    let rollup = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap_or_default();
+    rollup
+        .lines()
+        .find_map(|l| l.strip_prefix("Anonymous:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map(|kb| kb * 1024)
+        .unwrap_or(0)
+}
+
 /// The backend pid of a connection, to watch it from another one.
 pub fn backend_pid(client: &mut Client) -> i32 {
     client.query_one("SELECT pg_backend_pid()", &[]).expect("pid").get(0)

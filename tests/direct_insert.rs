@@ -347,6 +347,59 @@ fn a_handle_kept_across_transactions_sees_what_others_changed_meanwhile() {
     assert_no_resource_leaks(&cluster);
 }
 
+/// Write handles live as long as the backend (src/direct/handle.rs), so nothing a write leaves in them may pile
+/// up: not what an index access method caches between insertions (BRIN's descriptor, built again for every use
+/// from PostgreSQL 17 on), not a handle per inbox beyond the few kept, not the compiled expressions of an
+/// expression index (its table's handle is kept for one transaction only). Marks one new id per transaction, as a
+/// pooled consumer does, in inboxes with such indexes and in more inboxes than handles are kept.
+#[test]
+fn write_handles_leave_no_memory_behind_across_transactions() {
+    let (_cluster, mut c) = server("handle_memory");
+    let inboxes: Vec<String> = (0..20).map(|i| format!("m{i}")).collect();
+    for inbox in &inboxes {
+        c.batch_execute(&format!("SELECT dedup.create_inbox('{inbox}')")).unwrap();
+    }
+    c.batch_execute(
+        "CREATE INDEX ON dedup.inbox_m0 USING brin (expires_at);
+         CREATE INDEX ON dedup.inbox_m1 ((lower(id)));
+         CREATE INDEX ON dedup.inbox_m2 (expires_at) WHERE fingerprint IS NOT NULL",
+    )
+    .unwrap();
+    for inbox in &inboxes {
+        wait_trusted(&mut c, inbox);
+    }
+    let pid = backend_pid(&mut c);
+    let mut next = 0;
+    let mut round = |c: &mut Client| {
+        for _ in 0..600 {
+            next += 1;
+            for inbox in &inboxes[..3] {
+                assert!(mark_in(c, &format!("id-{next}"), inbox));
+            }
+            if next % 20 == 0 {
+                for inbox in &inboxes[3..] {
+                    assert!(mark_in(c, &format!("id-{next}"), inbox));
+                }
+            }
+        }
+    };
+    round(&mut c);
+    let after_first = anonymous_bytes(pid);
+    round(&mut c);
+    round(&mut c);
+    let growth = anonymous_bytes(pid).saturating_sub(after_first);
+    assert!(growth < 1 << 20, "3,600 more marks kept {} kB of this backend's memory", growth / 1024);
+    // The backend's memory contexts are shown from PostgreSQL 14 on.
+    let version: i32 = c.query_one("SELECT current_setting('server_version_num')::int", &[]).unwrap().get(0);
+    if version >= 140000 {
+        let handles: i64 = c
+            .query_one("SELECT count(*) FROM pg_backend_memory_contexts WHERE name = 'pg_dedup write handle'", &[])
+            .unwrap()
+            .get(0);
+        assert!(handles <= 16, "{handles} write handles kept");
+    }
+}
+
 /// A rollback to a savepoint can release locks taken before the savepoint: a cursor's, whose portal it aborts
 /// (the cursor failed inside it). The next mark of the inbox must take its lock again, not trust an earlier open
 /// of the same transaction (`inbox::cache`) or write through a handle set up under that lock (`direct::handle`).

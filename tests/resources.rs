@@ -9,17 +9,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-/// The anonymous (heap) memory of server process `pid`, in bytes: palloc'd and Rust memory, not shared buffers.
-fn anonymous_bytes(pid: i32) -> u64 {
-    let rollup = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap_or_default();
-    rollup
-        .lines()
-        .find_map(|l| l.strip_prefix("Anonymous:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .map(|kb| kb * 1024)
-        .unwrap_or(0)
-}
-
 /// Runs `sql` on a fresh connection and returns how far the backend's heap grew above where it started, at its
 /// peak (sampled every millisecond while the statement runs).
 fn peak_growth(cluster: &Cluster, db: &str, setup: &str, sql: &str) -> u64 {

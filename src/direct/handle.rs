@@ -20,7 +20,10 @@
 //!   them (DDL of this or another transaction, another session's VACUUM or concurrent index build, a rolled-back
 //!   transaction's DDL undone, a reset of the whole cache) drops the handle before its pointers could be used, and
 //!   the next write sets up a new one;
-//! - every use takes a reference to each relation for its duration, as an open would.
+//! - every use takes a reference to each relation for its duration, as an open would;
+//! - what an index access method caches between insertions (ii_AmCache, in ii_Context) is the use's, freed after
+//!   it; and a table with an index on an expression or with a predicate keeps its handle for one transaction only,
+//!   as the executor state that holds their compiled expressions is not for another transaction to run.
 //!
 //! A use that would nest inside another use of the same handle (a function of an index expression writing to the
 //! inbox) gets a handle of its own, set up and dropped around it.
@@ -55,6 +58,9 @@ struct Held {
     relations: Vec<(pg_sys::Oid, Stale)>,
     /// The `LOCKS` generation in which the locks were last taken.
     locked: Cell<u64>,
+    /// Kept for its transaction only: an index on an expression or with a predicate, whose compiled expressions
+    /// (built in the executor state at the first insertion) are not for another transaction to run.
+    per_transaction: bool,
     busy: Cell<bool>,
 }
 
@@ -76,12 +82,23 @@ impl Held {
     /// # Safety
     /// `relid` must be a table this transaction may insert into.
     unsafe fn open(relid: pg_sys::Oid) -> Held {
-        // SAFETY: everything is allocated in a context of our own, which lives until the handle is dropped; the
-        // references taken by the opens are given back at the end, the locks kept.
+        // SAFETY: everything is allocated in a context of our own, under the transaction's until the handle is set
+        // up (a failure half-way, a lock wait cancelled, frees it with the transaction) and then under
+        // TopMemoryContext until the handle is dropped; the references taken by the opens are given back at the
+        // end, the locks kept.
         unsafe {
-            let context = memory_context(pg_sys::TopMemoryContext, c"pg_dedup write handle");
+            let context = memory_context(pg_sys::TopTransactionContext, c"pg_dedup write handle");
+            let per_use = memory_context(context, c"pg_dedup write");
             let caller = pg_sys::MemoryContextSwitchTo(context);
             let rel = pg_sys::table_open(relid, pg_sys::RowExclusiveLock as pg_sys::LOCKMODE);
+            // Watched before the indexes are opened: taking their locks may process invalidations of any of them.
+            let mut relations = vec![(relid, Stale::of(relid))];
+            let indexes = pg_sys::RelationGetIndexList(rel);
+            for i in 0..pg_sys::list_length(indexes) {
+                let index = pg_sys::list_nth_oid(indexes, i);
+                relations.push((index, Stale::of(index)));
+            }
+            pg_sys::list_free(indexes);
             let estate = pg_sys::CreateExecutorState();
             pg_sys::MemoryContextSwitchTo((*estate).es_query_cxt);
             let result_rel =
@@ -90,20 +107,29 @@ impl Held {
             // Range-table index 0: there is no query, hence no range table.
             pg_sys::InitResultRelInfo(result_rel, rel, 0, std::ptr::null_mut(), 0);
             pg_sys::ExecOpenIndices(result_rel, false);
+            let mut per_transaction = false;
+            for i in 0..(*result_rel).ri_NumIndices.max(0) as usize {
+                let info = *(*result_rel).ri_IndexRelationInfo.add(i);
+                // What an index access method keeps between insertions (BRIN's descriptor and revmap, GIN's and
+                // GiST's state) lives in ii_Context: the per-use memory, reset with it after every use (`run`).
+                (*info).ii_Context = per_use;
+                per_transaction |= !(*info).ii_Expressions.is_null() || !(*info).ii_Predicate.is_null();
+            }
             let slot = super::row_slots(rel, 1)[0];
             pg_sys::MemoryContextSwitchTo(caller);
             let handle = Handle { rel, estate, result_rel, slot, claimed: RefCell::new(None) };
-            let relations = handle.relations().map(|r| ((*r).rd_id, Stale::of((*r).rd_id))).collect();
             for r in handle.relations() {
                 pg_sys::RelationDecrementReferenceCount(r);
             }
+            pg_sys::MemoryContextSetParent(context, pg_sys::TopMemoryContext);
             Held {
                 relid,
                 handle,
                 context,
-                per_use: memory_context(context, c"pg_dedup write"),
+                per_use,
                 relations,
                 locked: Cell::new(LOCKS.get()),
+                per_transaction,
                 busy: Cell::new(false),
             }
         }
@@ -145,6 +171,12 @@ impl Held {
                         pg_sys::MemoryContextReset((*per_tuple).ecxt_per_tuple_memory);
                     }
                     pg_sys::MemoryContextSwitchTo(*caller);
+                    // What the index access methods cached is in the per-use memory (ii_Context): forgotten with
+                    // it (`inserting` let BRIN's buffers go already).
+                    let r = &*held.handle.result_rel;
+                    for i in 0..r.ri_NumIndices.max(0) as usize {
+                        (**r.ri_IndexRelationInfo.add(i)).ii_AmCache = std::ptr::null_mut();
+                    }
                     pg_sys::MemoryContextReset(held.per_use);
                     for r in held.handle.relations() {
                         pg_sys::RelationDecrementReferenceCount(r);
@@ -251,6 +283,11 @@ unsafe fn memory_context(parent: pg_sys::MemoryContext, name: &'static std::ffi:
     }
 }
 
+/// May `held` be freed: not in use, and not held by anyone but `HELD` (a caller between finding it and using it)?
+fn unused(held: &Rc<Held>) -> bool {
+    !held.busy.get() && Rc::strong_count(held) == 1
+}
+
 /// The handle on `relid`, if one is held, made the one used last.
 fn find(relid: pg_sys::Oid) -> Option<Rc<Held>> {
     HELD.with(|held| {
@@ -272,18 +309,19 @@ pub unsafe fn with<R>(relid: pg_sys::Oid, write: impl FnOnce(&Handle) -> R) -> R
     register_callbacks();
     // Locked again first: that may find it stale, and then it goes below with the others.
     let found = find(relid).filter(|h| h.busy.get() || h.relocked());
-    // Stale handles go on the way (a busy one stays with its use), and the least recently used beyond MAX_HELD.
+    // Stale handles go on the way (one in use stays with its use), and the least recently used beyond MAX_HELD.
     HELD.with(|held| {
         let mut held = held.borrow_mut();
         held.retain(|h| {
-            let keep = h.busy.get() || h.sound();
+            let keep = !unused(h) || h.sound();
             if !keep {
                 h.drop_memory();
             }
             keep
         });
-        while held.len() > MAX_HELD {
-            let Some(oldest) = held.iter().position(|h| !h.busy.get()) else { break };
+        // Room for one more, if one is set up below.
+        while held.len() >= MAX_HELD {
+            let Some(oldest) = held.iter().position(unused) else { break };
             held.remove(oldest).drop_memory();
         }
     });
@@ -336,13 +374,18 @@ fn register_callbacks() {
 }
 
 /// A claim remembered by a handle is where this transaction wrote it: forgotten when the transaction ends (no lock
-/// is held on the table then, and a VACUUM may cut the place off) and when a subtransaction rolls back (the claim
-/// may have been its).
+/// is held on the table then, and a VACUUM may remove the row and cut the place off) and when a subtransaction
+/// rolls back (the claim may have been its, a dead row now).
 fn locks_may_be_gone() {
     LOCKS.set(LOCKS.get() + 1);
     HELD.with(|held| {
-        for h in held.borrow().iter() {
-            h.handle.claimed.borrow_mut().take();
+        // (Never borrowed across a call into PostgreSQL, so free here; checked all the same, at an abort.)
+        if let Ok(held) = held.try_borrow() {
+            for h in held.iter() {
+                if let Ok(mut claimed) = h.handle.claimed.try_borrow_mut() {
+                    claimed.take();
+                }
+            }
         }
     });
 }
@@ -360,8 +403,20 @@ unsafe extern "C-unwind" fn at_end_of_transaction(event: pg_sys::XactEvent::Type
             | XACT_EVENT_PARALLEL_COMMIT
             | XACT_EVENT_PARALLEL_ABORT
     ) {
-        // The locks go with the transaction's resource owner; the handles stay, for the next transaction.
+        // The locks go with the transaction's resource owner; the handles stay, for the next transaction, but
+        // those kept for their transaction only.
         locks_may_be_gone();
+        HELD.with(|held| {
+            if let Ok(mut held) = held.try_borrow_mut() {
+                held.retain(|h| {
+                    let keep = !h.per_transaction || !unused(h);
+                    if !keep {
+                        h.drop_memory();
+                    }
+                    keep
+                })
+            }
+        });
     }
 }
 

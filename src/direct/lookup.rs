@@ -56,8 +56,10 @@ pub fn own_claim(inbox: &Inbox, id: &str) -> Option<Found> {
     let caller = unsafe { pg_sys::CurrentMemoryContext };
     // SAFETY: the inbox was opened and locked by this transaction. The remembered place is in the table the handle
     // has open (a TRUNCATE or any rewrite invalidates the table and so drops the handle with what it remembered),
-    // which this transaction holds locked, so no VACUUM can have cut it off. The snapshot is registered for the
-    // fetch only; the row is copied into the caller's memory context before the slot lets go of its buffer.
+    // and holds a row this very transaction inserted: never dead while the transaction runs unless a subtransaction
+    // that inserted it rolled back, which forgets the place (so no VACUUM can have freed it or cut it off). The
+    // snapshot is registered for the fetch only; the row is copied into the caller's memory context before the slot
+    // lets go of its buffer.
     unsafe {
         super::handle::with_held(inbox.relid, |table| {
             let mut tid = table.take_claim(id)?;
