@@ -599,3 +599,61 @@ fn pg_dump_of_the_coordinator_restores_as_a_one_node_inbox() {
     assert!(!mark(&mut r, "dumped-id"), "the mark came through the dump");
     assert!(mark(&mut r, "after-restore"));
 }
+
+/// Rows of inbox `inbox`'s own table on each worker (not its shards: a one-node inbox's table there).
+fn rows_on_workers(c: &mut Client, inbox: &str) -> i64 {
+    c.query_one(
+        "SELECT coalesce(sum(result::bigint), 0)::bigint FROM run_command_on_workers(
+             format('SELECT count(*) FROM dedup.%I', 'inbox_' || $1::text))",
+        &[&inbox],
+    )
+    .expect("count rows on the workers")
+    .get(0)
+}
+
+/// Citus pushes `SELECT dedup.mark(key) FROM <distributed table>` down into every shard's query. On a worker, an
+/// inbox that is not distributed is that worker's own table (here the workers have one of each name): the marks
+/// went there and answered "new", and the coordinator's inbox, where the caller looks, never saw them. Refused now,
+/// on the worker, with a dedup: error.
+#[test]
+fn a_mark_pushed_down_to_the_shards_never_marks_a_worker_s_own_inbox() {
+    let Some(cluster) = cluster() else { return };
+    let mut c = cluster.fresh_db("pushdown");
+    c.batch_execute(
+        r#"CREATE TABLE events (key text COLLATE "C" PRIMARY KEY);
+           SELECT create_distributed_table('events', 'key');
+           INSERT INTO events SELECT 'p' || g FROM generate_series(1, 20) g;
+           SELECT dedup.create_inbox('coordinator_only');
+           SELECT run_command_on_workers($$SELECT dedup.create_inbox('coordinator_only')$$);"#,
+    )
+    .unwrap();
+    for inbox in ["default", "coordinator_only"] {
+        let err = c.query("SELECT dedup.mark(key, inbox => $1) FROM events", &[&inbox]).unwrap_err();
+        assert!(message(&err).contains(&format!(r#"dedup: inbox "{inbox}" is not distributed"#)), "{err:?}");
+        assert_eq!(sqlstate(&err), "0A000");
+    }
+    for inbox in ["default", "coordinator_only"] {
+        assert_eq!(rows_on_workers(&mut c, inbox), 0, "nothing was marked in the workers' own inbox {inbox}");
+    }
+    // The hint's form: the ids are read first, and marked where the inbox is.
+    let new: i64 = c
+        .query_one(
+            "WITH ids AS MATERIALIZED (SELECT key FROM events)
+             SELECT count(*) FILTER (WHERE dedup.mark(key, inbox => 'coordinator_only')) FROM ids",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(new, 20);
+    let err = c.query("SELECT key FROM events WHERE dedup.seen(key, 'coordinator_only')", &[]).unwrap_err();
+    assert!(message(&err).contains("is not distributed"), "seen() pushed down is refused too: {err:?}");
+    let on_coordinator: i64 =
+        c.query_one("SELECT count(*) FROM dedup.inbox_coordinator_only WHERE id LIKE 'p%'", &[]).unwrap().get(0);
+    assert_eq!(on_coordinator, 20, "the marks are in the coordinator's inbox");
+    // A worker's own inbox stays usable on the worker, by a client of its own or through run_command_on_workers().
+    let marked: i64 = c
+        .query_one("SELECT count(*) FROM run_command_on_workers($$SELECT dedup.mark('own')$$) WHERE result = 't'", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(marked, 2);
+}
