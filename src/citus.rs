@@ -61,6 +61,42 @@ pub fn distributed(relid: pg_sys::Oid) -> bool {
     }
 }
 
+/// The `application_name` Citus gives the connections it opens to run tasks: a query pushed down to a node's
+/// shards, or a function call it delegates (`IsCitusInternalBackend()` in Citus tests this prefix). Its
+/// `run_command_on_*()` connections carry another (`citus_run_command gpid=`).
+const TASK_BACKEND_PREFIX: &[u8] = b"citus_internal gpid=";
+
+/// Is this a backend Citus opened to run a task on this node (by its `application_name`, and Citus is here)?
+pub fn task_backend() -> bool {
+    // SAFETY: reads the application_name GUC's current value, a NUL-terminated string or NULL.
+    let named = unsafe {
+        let value = pg_sys::application_name;
+        !value.is_null() && CStr::from_ptr(value).to_bytes().starts_with(TASK_BACKEND_PREFIX)
+    };
+    named && installed()
+}
+
+/// Refuses to serve inbox `name`, whose table is not distributed, in a task backend (`task_backend()`). Such a
+/// call was routed to this node by the statement's other arguments, never by the inbox: Citus pushes
+/// `SELECT dedup.mark(key) FROM <distributed table>` down into every shard's query, and sends a function distributed
+/// with `create_distributed_function()` to the node of its distribution argument whatever inbox it names. The table
+/// it would find here is this node's own inbox of that name, not the one the caller meant: its marks would answer
+/// "new" there and be missed where the caller looks (on the coordinator, a false negative). A distributed inbox is
+/// one table on every node, whose rows Citus finds by id, so those are served.
+pub fn refuse_task_on_local_inbox(name: &str) -> ! {
+    raise(
+        PgSqlErrorCode::ERRCODE_FEATURE_NOT_SUPPORTED,
+        format!(
+            "inbox \"{name}\" is not distributed, and this call reached a node through Citus (a query pushed down \
+             to the shards of a distributed table, or a delegated function call), where its table is that node's \
+             own, not the one the statement meant"
+        ),
+        "Read the ids from the distributed table first, then mark them where the inbox is: WITH ids AS \
+         MATERIALIZED (SELECT ... FROM <table>) SELECT dedup.mark(id, inbox => ...) FROM ids. Or distribute the \
+         inbox (dedup.distribute_inbox()); see docs/scale-out.md.",
+    )
+}
+
 /// Is this node the Citus coordinator (where Citus is installed)?
 pub fn coordinator() -> bool {
     installed()

@@ -204,7 +204,8 @@ fn settle(
 
 fn insert(inbox: &Inbox, ids: &[String], expires_at: TimestampWithTimeZone) -> HashSet<String> {
     if let [id] = ids {
-        // The common case (one new id per transaction) gets the plain single-row INSERT plan.
+        // The common case (one new id per transaction) gets the plain single-row INSERT plan. Whether the row went
+        // in is the count SPI reports: the rows returned, or the rows inserted where the statement returns none.
         let inserted = Spi::connect(|client| {
             !inbox.run(client, Stmt::Insert, &[id.as_str().into(), expires_at.into()]).is_empty()
         });

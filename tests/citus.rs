@@ -599,3 +599,150 @@ fn pg_dump_of_the_coordinator_restores_as_a_one_node_inbox() {
     assert!(!mark(&mut r, "dumped-id"), "the mark came through the dump");
     assert!(mark(&mut r, "after-restore"));
 }
+
+/// Rows of inbox `inbox`'s own table on each worker (not its shards: a one-node inbox's table there).
+fn rows_on_workers(c: &mut Client, inbox: &str) -> i64 {
+    c.query_one(
+        "SELECT coalesce(sum(result::bigint), 0)::bigint FROM run_command_on_workers(
+             format('SELECT count(*) FROM dedup.%I', 'inbox_' || $1::text))",
+        &[&inbox],
+    )
+    .expect("count rows on the workers")
+    .get(0)
+}
+
+/// Citus pushes `SELECT dedup.mark(key) FROM <distributed table>` down into every shard's query. On a worker, an
+/// inbox that is not distributed is that worker's own table (here the workers have one of each name): the marks
+/// went there and answered "new", and the coordinator's inbox, where the caller looks, never saw them. Refused now,
+/// on the worker, with a dedup: error.
+#[test]
+fn a_mark_pushed_down_to_the_shards_never_marks_a_worker_s_own_inbox() {
+    let Some(cluster) = cluster() else { return };
+    let mut c = cluster.fresh_db("pushdown");
+    c.batch_execute(
+        r#"CREATE TABLE events (key text COLLATE "C" PRIMARY KEY);
+           SELECT create_distributed_table('events', 'key');
+           INSERT INTO events SELECT 'p' || g FROM generate_series(1, 20) g;
+           SELECT dedup.create_inbox('coordinator_only');
+           SELECT run_command_on_workers($$SELECT dedup.create_inbox('coordinator_only')$$);"#,
+    )
+    .unwrap();
+    for inbox in ["default", "coordinator_only"] {
+        let err = c.query("SELECT dedup.mark(key, inbox => $1) FROM events", &[&inbox]).unwrap_err();
+        assert!(message(&err).contains(&format!(r#"dedup: inbox "{inbox}" is not distributed"#)), "{err:?}");
+        assert_eq!(sqlstate(&err), "0A000");
+    }
+    for inbox in ["default", "coordinator_only"] {
+        assert_eq!(rows_on_workers(&mut c, inbox), 0, "nothing was marked in the workers' own inbox {inbox}");
+    }
+    // The hint's form: the ids are read first, and marked where the inbox is.
+    let new: i64 = c
+        .query_one(
+            "WITH ids AS MATERIALIZED (SELECT key FROM events)
+             SELECT count(*) FILTER (WHERE dedup.mark(key, inbox => 'coordinator_only')) FROM ids",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(new, 20);
+    let err = c.query("SELECT key FROM events WHERE dedup.seen(key, 'coordinator_only')", &[]).unwrap_err();
+    assert!(message(&err).contains("is not distributed"), "seen() pushed down is refused too: {err:?}");
+    let on_coordinator: i64 =
+        c.query_one("SELECT count(*) FROM dedup.inbox_coordinator_only WHERE id LIKE 'p%'", &[]).unwrap().get(0);
+    assert_eq!(on_coordinator, 20, "the marks are in the coordinator's inbox");
+    // A worker's own inbox stays usable on the worker, by a client of its own or through run_command_on_workers().
+    let marked: i64 = c
+        .query_one("SELECT count(*) FROM run_command_on_workers($$SELECT dedup.mark('own')$$) WHERE result = 't'", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(marked, 2);
+}
+
+/// Citus's function delegation of mark() (docs/scale-out.md, "Function delegation"): done by hand with
+/// create_distributed_function(), co-located with the inbox. A delegated mark runs on the worker that holds the id's
+/// shard, inside the coordinator's transaction: it commits or vanishes with the business write, the shard's unique
+/// index decides, the filter stays out of it. Citus routes by the id alone, whatever inbox the call names: a call
+/// for an inbox of this node's own is refused on the worker (it would mark the worker's table), one for an inbox
+/// distributed in another co-location group is refused by Citus.
+#[test]
+fn a_delegated_mark_keeps_the_contract_or_is_refused() {
+    let Some(cluster) = cluster() else { return };
+    let mut c = cluster.fresh_db("delegation");
+    c.batch_execute(
+        r#"CREATE TABLE events (key text COLLATE "C" PRIMARY KEY, body text);
+           SELECT create_distributed_table('events', 'key');
+           CREATE TABLE ledger (n bigint PRIMARY KEY, key text NOT NULL);
+           SELECT create_distributed_table('ledger', 'n', colocate_with => 'none');
+           SELECT dedup.create_inbox('orders');
+           SELECT dedup.distribute_inbox('orders', colocate_with => 'events');
+           SELECT create_distributed_function('dedup.mark(text,interval,text)', 'id', colocate_with => 'events',
+                                              force_delegation => true);"#,
+    )
+    .unwrap();
+    let deliver = |c: &mut Client, key: &str, outcome: &str| -> bool {
+        let mut tx = c.transaction().unwrap();
+        let new: bool = tx.query_one("SELECT dedup.mark($1, inbox => 'orders')", &[&key]).unwrap().get(0);
+        if new {
+            tx.execute("INSERT INTO events VALUES ($1, 'x')", &[&key]).unwrap();
+            // On another distribution key: usually another worker, so the transaction commits in two phases.
+            tx.execute("INSERT INTO ledger VALUES (hashtext($1), $1)", &[&key]).unwrap();
+        }
+        if outcome == "COMMIT" {
+            tx.commit().unwrap()
+        } else {
+            tx.rollback().unwrap()
+        }
+        new
+    };
+    for k in 0..30 {
+        let key = format!("d{k}");
+        assert!(deliver(&mut c, &key, "ROLLBACK"), "{key}: new");
+        assert!(deliver(&mut c, &key, "COMMIT"), "{key}: new again after the rollback took the mark");
+        assert!(!deliver(&mut c, &key, "COMMIT"), "{key}: a duplicate");
+    }
+    let row = c.query_one("SELECT (SELECT count(*) FROM events), (SELECT count(*) FROM ledger)", &[]).unwrap();
+    assert_eq!((row.get::<_, i64>(0), row.get::<_, i64>(1)), (30, 30), "each written once, with its mark");
+    assert_eq!(rows_in_shards(&mut c, "dedup.inbox_orders"), 30);
+    // The calls ran on the workers: their counters moved, the coordinator's did not; no filter was asked there.
+    let coordinator_marks: i64 =
+        c.query_one("SELECT marks + duplicates FROM dedup.stats WHERE inbox = 'orders'", &[]).unwrap().get(0);
+    assert_eq!(coordinator_marks, 0, "delegated: mark() ran on the workers");
+    let on_workers = |c: &mut Client, column: &str| -> i64 {
+        c.query_one(
+            &format!(
+                "SELECT coalesce(sum(result::bigint), 0)::bigint FROM run_command_on_workers(
+                     $$SELECT {column} FROM dedup.stats WHERE inbox = 'orders'$$)"
+            ),
+            &[],
+        )
+        .unwrap()
+        .get(0)
+    };
+    assert_eq!(on_workers(&mut c, "marks"), 60, "each key new twice: rolled back, then committed");
+    assert_eq!(on_workers(&mut c, "lookups"), 0, "the workers' filters never answered for the distributed inbox");
+
+    // Inboxes outside the function's co-location group: delegated all the same, by the id. The workers have an
+    // inbox named `local` of their own: the case where a delegated call would mark the wrong table.
+    c.batch_execute(
+        "SELECT dedup.create_inbox('local');
+         SELECT run_command_on_workers($$SELECT dedup.create_inbox('local')$$);
+         SET citus.shard_count = 7;
+         SELECT dedup.create_inbox('apart');
+         SELECT dedup.distribute_inbox('apart');
+         RESET citus.shard_count",
+    )
+    .unwrap();
+    for inbox in ["default", "local"] {
+        let err = c.query_one("SELECT dedup.mark('x1', inbox => $1)", &[&inbox]).unwrap_err();
+        assert!(message(&err).contains(&format!(r#"dedup: inbox "{inbox}" is not distributed"#)), "{err:?}");
+        assert_eq!(sqlstate(&err), "0A000");
+    }
+    for inbox in ["default", "local"] {
+        assert_eq!(rows_on_workers(&mut c, inbox), 0, "no worker marked its own inbox {inbox}");
+    }
+    let err = c.query_one("SELECT dedup.mark('x1', inbox => 'apart')", &[]).unwrap_err();
+    assert!(message(&err).contains("distribution argument in the same colocation group"), "{err:?}");
+    // A statement Citus does not delegate still marks them, on the coordinator.
+    let new: bool = c.query_one("SELECT dedup.mark('x1', inbox => 'local') IS TRUE", &[]).unwrap().get(0);
+    assert!(new);
+}

@@ -12,6 +12,10 @@ use std::path::PathBuf;
 pub enum Side<'a> {
     /// A pgbench script whose transactions handle `ids` ids each.
     Sql { script: PathBuf, ids: u32 },
+    /// The same against the database of `pgbench` instead of the comparison's (on the same server, so the WAL
+    /// figures still read the one server's position): a variant that needs a database of its own, such as
+    /// Citus's function delegation, which holds for every call of the function in its database.
+    SqlOn { pgbench: &'a Pgbench, script: PathBuf, ids: u32 },
     /// Redis `SET key 1 NX EX` (one id per request).
     Redis(&'a Redis),
     /// pg_test_fsync's fdatasync rate on this file (flushes per second; the setting's clients do not apply).
@@ -53,8 +57,12 @@ struct Sample {
 
 fn sample(c: &mut Client, pgbench: &Pgbench, setting: &Setting, side: &Side) -> Sample {
     match side {
-        Side::Sql { script, ids } => {
-            let run = pgbench.run(c, script, setting);
+        Side::Sql { script, ids } | Side::SqlOn { script, ids, .. } => {
+            let on = match side {
+                Side::SqlOn { pgbench: other, .. } => *other,
+                _ => pgbench,
+            };
+            let run = on.run(c, script, setting);
             let ids = *ids as f64;
             Sample { rate: run.tps * ids, wal_per_id: Some(run.wal_per_tx / ids), ids: run.transactions * ids as u64 }
         }
@@ -70,7 +78,9 @@ fn sample(c: &mut Client, pgbench: &Pgbench, setting: &Setting, side: &Side) -> 
 impl Side<'_> {
     fn name(&self) -> String {
         match self {
-            Side::Sql { script, .. } => script.file_stem().unwrap_or_default().to_string_lossy().into_owned(),
+            Side::Sql { script, .. } | Side::SqlOn { script, .. } => {
+                script.file_stem().unwrap_or_default().to_string_lossy().into_owned()
+            }
             Side::Redis(_) => "redis".into(),
             Side::Fsync(_) => "pg_test_fsync".into(),
         }

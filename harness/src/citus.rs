@@ -43,6 +43,9 @@ impl CitusCluster {
             // Tests call recover_prepared_transactions() themselves, and count pg_dist_transaction undisturbed.
             "citus.recover_2pc_interval = -1",
             "max_connections = 100",
+            // Citus runs a maintenance daemon, a background worker, for every database it is created in, and keeps
+            // it: with a database per test, the default of 8 ran out, and pg_dedup's own worker could not start.
+            "max_worker_processes = 64",
             // Citus connects between nodes over unix sockets here, where SSL does not apply.
             "citus.node_conninfo = 'sslmode=disable'",
         ];

@@ -168,6 +168,10 @@ fn lock_and_check(name: &str, access: Access, check: bool) -> Rc<Inbox> {
         if inbox.stale.get() {
             continue;
         }
+        // The cheap test first: one-node inboxes outside Citus's task backends pay one prefix comparison.
+        if crate::citus::task_backend() && !inbox.shape().distributed {
+            crate::citus::refuse_task_on_local_inbox(name);
+        }
         if !check {
             return inbox;
         }

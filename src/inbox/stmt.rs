@@ -5,7 +5,7 @@ use crate::plans::statements;
 use pgrx::PgOid;
 
 statements! {
-    /// $1 id, $2 expires_at → a row if the id was inserted.
+    /// $1 id, $2 expires_at → a row if the id was inserted (for a distributed inbox: a processed count of 1, no row).
     Insert,
     /// $1 ids (sorted, distinct), $2 expires_at → the ids inserted.
     InsertMany,
@@ -46,6 +46,11 @@ impl Stmt {
     pub(super) fn sql(self, table: &str, shape: &super::Shape) -> String {
         let claim_columns = shape.claim_columns;
         match self {
+            // Without RETURNING: the row count SPI reports says whether the row went in (Citus counts the rows
+            // the worker inserted), and Citus then neither asks the worker for a row nor keeps it in a tuplestore.
+            Stmt::Insert if shape.distributed => {
+                format!("INSERT INTO {table} (id, expires_at) VALUES ($1, $2) ON CONFLICT (id) DO NOTHING")
+            }
             Stmt::InsertMany if shape.distributed => format!(
                 "WITH ins AS (INSERT INTO {table} (id, expires_at) SELECT u.id, $2 FROM pg_catalog.unnest($1) \
                  WITH ORDINALITY AS u(id, n) ORDER BY u.n ON CONFLICT (id) DO NOTHING RETURNING id) SELECT id FROM ins"
