@@ -86,6 +86,9 @@ pub fn mark_ids(inbox: &Inbox, ids: &[&str], ttl: Option<Interval>) -> Vec<bool>
 /// algorithm, with the filter's answer passed on (a "maybe" whose row is expired or gone is looked up again there).
 fn mark_one(inbox: &Inbox, id: &str, ttl: Option<Interval>) -> bool {
     let maybe = gate::certainly_new(inbox, id).map(|new| !new);
+    if maybe == Some(false) {
+        crate::filter::prefetch(inbox.ns, id);
+    }
     if maybe == Some(true) && rows::find_one(inbox, id).is_some_and(|row| later(row.expires_at, statement_now())) {
         inbox.count(Counter::Duplicates, 1);
         return false;
