@@ -81,11 +81,18 @@ pub fn mark_ids(inbox: &Inbox, ids: &[&str], ttl: Option<Interval>) -> Vec<bool>
     new_at
 }
 
-/// `mark_ids` of one id: a redelivery (the filter's "maybe", and a live row) is answered by one lookup, with none of
-/// the sorting and bookkeeping of many ids, a tenth of a duplicate's work (callgrind). Anything else takes the
-/// algorithm, with the filter's answer passed on (a "maybe" whose row is expired or gone is looked up again there).
+/// `mark_ids` of one id.
 fn mark_one(inbox: &Inbox, id: &str, ttl: Option<Interval>) -> bool {
-    let maybe = gate::certainly_new(inbox, id).map(|new| !new);
+    mark_answered(inbox, id, ttl, gate::certainly_new(inbox, id))
+}
+
+/// `mark_ids` of one id whose filter answer the caller has already asked for (`gate::certainly_new`), so that the
+/// lookup is made and counted once. A redelivery (the filter's "maybe", and a live row) is answered by one lookup,
+/// with none of the sorting and bookkeeping of many ids, a tenth of a duplicate's work (callgrind). Anything else
+/// takes the algorithm, with the filter's answer passed on (a "maybe" whose row is expired or gone is looked up
+/// again there).
+pub fn mark_answered(inbox: &Inbox, id: &str, ttl: Option<Interval>, certainly_new: Option<bool>) -> bool {
+    let maybe = certainly_new.map(|new| !new);
     if maybe == Some(false) {
         crate::filter::prefetch(inbox.ns, id);
     }
