@@ -46,6 +46,18 @@ pub fn add<S: AsRef<str>>(ns: u64, ids: &[S]) {
     insert(hashes(ns, ids.iter().map(|id| id.as_ref().as_bytes())))
 }
 
+/// Starts loading the blocks `add` will set for `id`, in both generations, without waiting for them. For a key the
+/// filter just called new, which is written next: its bits go in after its row (a heap insert and the index
+/// insertions in between), and a filter sized for millions of keys is far bigger than the CPU cache, so each block
+/// is a cache miss (and a TLB miss) that would otherwise stall `add`.
+pub fn prefetch(ns: u64, id: &str) {
+    if let Some(h) = region() {
+        let hash = pg_dedup_bloom::hash_key(ns, id.as_bytes());
+        generation(h, 0).prefetch(hash);
+        generation(h, 1).prefetch(hash);
+    }
+}
+
 /// `add` of keys as bytes (those of `dedup.attempt_counts` are not ids alone: `attempt_key`).
 pub fn add_keys<K: AsRef<[u8]>>(ns: u64, keys: &[K]) {
     insert(hashes(ns, keys.iter().map(|key| key.as_ref())))

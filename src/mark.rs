@@ -81,16 +81,35 @@ pub fn mark_ids(inbox: &Inbox, ids: &[&str], ttl: Option<Interval>) -> Vec<bool>
     new_at
 }
 
-/// `mark_ids` of one id: a redelivery (the filter's "maybe", and a live row) is answered by one lookup, with none of
-/// the sorting and bookkeeping of many ids, a tenth of a duplicate's work (callgrind). Anything else takes the
-/// algorithm, with the filter's answer passed on (a "maybe" whose row is expired or gone is looked up again there).
+/// `mark_ids` of one id.
 fn mark_one(inbox: &Inbox, id: &str, ttl: Option<Interval>) -> bool {
-    let maybe = gate::certainly_new(inbox, id).map(|new| !new);
+    mark_answered(inbox, id, ttl, gate::certainly_new(inbox, id))
+}
+
+/// `mark_ids` of one id whose filter answer the caller has already asked for (`gate::certainly_new`), so that the
+/// lookup is made and counted once. The two common cases take none of the sorting and bookkeeping of many ids: a
+/// redelivery (the filter's "maybe", and a live row) is answered by one lookup, a tenth of a duplicate's work; a
+/// certainly-new id (each new row of a COPY into an attached table) goes straight into heap and indexes, as
+/// `mark_sorted` would send it, without its allocations (2% of such a row's instructions, callgrind). Anything else
+/// takes the algorithm, with the filter's answer passed on (a "maybe" whose row is expired or gone is looked up
+/// again there).
+pub fn mark_answered(inbox: &Inbox, id: &str, ttl: Option<Interval>, certainly_new: Option<bool>) -> bool {
+    let expires_at = WindowEnd { inbox, ttl, at: OnceCell::new() };
+    let mut maybe = certainly_new.map(|new| !new);
+    if maybe == Some(false) {
+        crate::filter::prefetch(inbox.ns, id);
+        if direct::insert(inbox, &[id], &direct::Row::mark(expires_at.get())) == 1 {
+            inbox.count(Counter::Marks, 1);
+            return true;
+        }
+        // Not written (the table needs the executor, or the id has a row after all, maybe another transaction's
+        // in progress): the rounds decide, and wait for that transaction, without a second direct attempt.
+        maybe = None;
+    }
     if maybe == Some(true) && rows::find_one(inbox, id).is_some_and(|row| later(row.expires_at, statement_now())) {
         inbox.count(Counter::Duplicates, 1);
         return false;
     }
-    let expires_at = WindowEnd { inbox, ttl, at: OnceCell::new() };
     let out = mark_sorted(inbox, &[id], maybe.as_ref().map(std::slice::from_ref), &expires_at);
     let new = out.fresh[0];
     out.count(inbox);

@@ -295,15 +295,25 @@ fn mark_now(attached: &Attached, key: &str) -> bool {
 /// when it is remembered already, else marked at once; whether it was new.
 fn mark_batched(attached: &Attached, key: &str) -> bool {
     let inbox = inbox::open_unflushed(&attached.inbox, Access::Mark);
-    let remembered = batch::remembered(&inbox, key);
-    let new = if remembered == Some(true) {
-        inbox.count(Counter::Duplicates, 1);
-        false
-    } else if remembered == Some(false) || (batch::may_wait(&inbox) && gate::certainly_new(&inbox, key) == Some(true)) {
-        batch::remember(&inbox, key, attached.ttl);
-        true
-    } else {
-        mark::mark_ids(&inbox, &[key], attached.ttl)[0]
+    let new = match batch::remembered(&inbox, key) {
+        Some(true) => {
+            inbox.count(Counter::Duplicates, 1);
+            false
+        }
+        // Its window ended: new again, and remembered again.
+        Some(false) => {
+            batch::remember(&inbox, key, attached.ttl);
+            true
+        }
+        None if !batch::may_wait(&inbox) => mark::mark_ids(&inbox, &[key], attached.ttl)[0],
+        None => match gate::certainly_new(&inbox, key) {
+            Some(true) => {
+                batch::remember(&inbox, key, attached.ttl);
+                true
+            }
+            // Marked at once, with the answer the filter gave (asked again, it would count the lookup twice).
+            answer => mark::mark_answered(&inbox, key, attached.ttl, answer),
+        },
     };
     inbox.count(if new { Counter::RowsPassed } else { Counter::RowsDropped }, 1);
     new
