@@ -97,6 +97,28 @@ pub fn refuse_task_on_local_inbox(name: &str) -> ! {
     )
 }
 
+/// Refuses `function` (`advance()`, `position()`, `attempt()`) in a task backend (`task_backend()`), whatever
+/// inbox it names: what it keeps — the positions table, the counts of delivery attempts in shared memory and their
+/// durable rows — is the node's own and is never distributed, so on a worker it would read and write that worker's
+/// state, not the coordinator's, where the caller's other calls look (a position that seems never advanced, a
+/// count that starts again at 1).
+pub fn refuse_task_on_node_state(function: &str) {
+    if task_backend() {
+        raise(
+            PgSqlErrorCode::ERRCODE_FEATURE_NOT_SUPPORTED,
+            format!(
+                "{function} keeps its state on the node it runs on, and this call reached a node through Citus (a \
+                 query pushed down to the shards of a distributed table, or a delegated function call), whose \
+                 state is not the one the statement meant"
+            ),
+            format!(
+                "Read the ids from the distributed table first, then call {function} on the coordinator: WITH ids AS \
+                 MATERIALIZED (SELECT ... FROM <table>) SELECT ... FROM ids; see docs/scale-out.md."
+            ),
+        )
+    }
+}
+
 /// Is this node the Citus coordinator (where Citus is installed)?
 pub fn coordinator() -> bool {
     installed()

@@ -140,6 +140,7 @@ fn advance(
     ttl: default!(Option<Interval>, "NULL"),
 ) -> bool {
     input::require_writable("advance");
+    crate::citus::refuse_task_on_node_state("advance()");
     let key = input::key(key);
     let position = position.unwrap_or_else(|| {
         raise(
@@ -156,6 +157,7 @@ fn advance(
 /// The live position of `key` in `inbox`; NULL when it has none (never advanced, or expired).
 #[pg_extern(stable, parallel_restricted)]
 fn position(key: Option<&str>, inbox: default!(Option<&str>, "'default'")) -> Option<i64> {
+    crate::citus::refuse_task_on_node_state("position()");
     let key = input::key(key);
     let inbox = inbox::open(input::inbox_name(inbox), Access::Read);
     position_of(&inbox, key)

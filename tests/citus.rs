@@ -635,6 +635,27 @@ fn a_mark_pushed_down_to_the_shards_never_marks_a_worker_s_own_inbox() {
     for inbox in ["default", "coordinator_only"] {
         assert_eq!(rows_on_workers(&mut c, inbox), 0, "nothing was marked in the workers' own inbox {inbox}");
     }
+    // Positions and counts of delivery attempts are the node's own, even for a distributed inbox: pushed down,
+    // they would be the workers' (a position that seems never advanced, a count that starts again at 1).
+    c.batch_execute("SELECT dedup.create_inbox('spread'); SELECT dedup.distribute_inbox('spread');").unwrap();
+    for (call, function) in [
+        ("dedup.advance(key, 1, inbox => 'spread')::text", "advance()"),
+        ("dedup.position(key, inbox => 'spread')::text", "position()"),
+        ("dedup.attempt(key, inbox => 'spread')::text", "attempt()"),
+    ] {
+        let err = c.query(&format!("SELECT {call} FROM events"), &[]).unwrap_err();
+        assert!(message(&err).contains(&format!("dedup: {function} keeps its state on the node")), "{err:?}");
+        assert_eq!(sqlstate(&err), "0A000");
+    }
+    let positions: i64 = c
+        .query_one(
+            "SELECT coalesce(sum(result::bigint), 0)::bigint FROM run_command_on_workers(
+                 'SELECT count(*) FROM dedup.positions')",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(positions, 0, "no worker advanced a position of its own");
     // The hint's form: the ids are read first, and marked where the inbox is.
     let new: i64 = c
         .query_one(

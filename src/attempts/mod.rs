@@ -140,6 +140,7 @@ fn store() -> &'static Store {
 #[pg_extern(volatile, parallel_unsafe)]
 fn attempt(id: Option<&str>, inbox: default!(Option<&str>, "'default'")) -> i32 {
     input::require_writable("attempt");
+    crate::citus::refuse_task_on_node_state("attempt()");
     let id = input::id(id);
     let inbox = inbox::open(input::inbox_name(inbox), Access::Mark);
     let store = store();
