@@ -26,6 +26,8 @@ pub static PURGE_MAX_ROWS_PER_CYCLE: GucSetting<i32> = GucSetting::<i32>::new(0)
 pub static ATTEMPTS_MAX: GucSetting<i32> = GucSetting::<i32>::new(10_000);
 /// How often the workers make counts of delivery attempts durable, in milliseconds.
 pub static ATTEMPTS_FLUSH_INTERVAL: GucSetting<i32> = GucSetting::<i32>::new(1_000);
+/// Keys a batched attachment remembers per inbox before it inserts them in the middle of a statement.
+pub static BATCH_FLUSH_KEYS: GucSetting<i32> = GucSetting::<i32>::new(1_000_000);
 /// Longest a purge batch of the workers may take, in milliseconds (0: no limit).
 pub static PURGE_BATCH_TIMEOUT: GucSetting<i32> = GucSetting::<i32>::new(30_000);
 
@@ -154,6 +156,18 @@ pub fn init() {
         c"Off: every call goes to the index. For benchmarks and debugging; the filter is kept up to date either way.",
         &BLOOM,
         GucContext::Suset,
+        GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"dedup.batch_flush_keys",
+        c"Keys a batched attachment (dedup.attach_batched()) remembers per inbox before it inserts them, in the middle \
+          of a statement.",
+        c"They wait in the loading session's memory, about 100 bytes a key of 10 bytes at the flush. A statement's keys \
+          go in at its end anyway; a larger value inserts a long load's keys in fewer sorted passes over the index.",
+        &BATCH_FLUSH_KEYS,
+        1_000,
+        100_000_000,
+        GucContext::Userset,
         GucFlags::default(),
     );
 }

@@ -159,7 +159,9 @@ fn an_application_role_cannot_change_settings_or_the_inbox_tables() {
     admin.batch_execute("SELECT dedup.mark('kept')").unwrap();
     let mut c = server.connect_as("privileges_settings", "app");
     assert!(mark(&mut c, "mine"), "the grants are enough to mark");
-    // Every dedup setting is for the superuser (dedup.bloom) or the server's configuration (the rest).
+    // Every dedup setting is for the superuser (dedup.bloom) or the server's configuration (the rest), but one that
+    // bounds only the memory of the session that sets it, as work_mem does.
+    let per_session = "dedup.batch_flush_keys";
     let settings: Vec<(String, String)> = admin
         .query("SELECT name, context FROM pg_settings WHERE name LIKE 'dedup.%' ORDER BY name", &[])
         .unwrap()
@@ -168,6 +170,13 @@ fn an_application_role_cannot_change_settings_or_the_inbox_tables() {
         .collect();
     assert!(settings.len() >= 8, "the extension's settings are registered: {settings:?}");
     for (name, context) in &settings {
+        if name == per_session {
+            assert_eq!(context, "user");
+            c.batch_execute(&format!("SET {name} = 5000")).unwrap();
+            let err = c.batch_execute(&format!("ALTER SYSTEM SET {name} = 5000")).unwrap_err();
+            assert_eq!(sqlstate(&err), "42501", "{err}");
+            continue;
+        }
         assert!(["superuser", "sighup", "postmaster"].contains(&context.as_str()), "{name} is settable by users");
         let value: String = admin.query_one(&format!("SHOW {name}"), &[]).unwrap().get(0);
         for sql in [

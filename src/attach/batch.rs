@@ -1,8 +1,8 @@
 //! Batched attachments (`dedup.attach_batched()`, docs/ingest.md, "The bulk road"): the row trigger
 //! marks a key the filter calls "certainly new" by remembering it, lets the row through, and the keys it remembered
 //! go into the inbox together — sorted, with one multi-insert per `CHUNK` — when the statement ends (the
-//! `zz_dedup_attached_batch` AFTER STATEMENT trigger), when `FLUSH_AT` keys wait, before anything else in this
-//! transaction opens the inbox (`inbox::open`), and at the latest before the transaction commits or prepares.
+//! `zz_dedup_attached_batch` AFTER STATEMENT trigger), when `dedup.batch_flush_keys` wait, before anything else in
+//! this transaction opens the inbox (`inbox::open`), and at the latest before the transaction commits or prepares.
 //!
 //! Why it pays: a row trigger that marks one key at a time inserts into the primary key in the file's order, one
 //! descent and one WAL record per key; sorted, the inserts walk the index's leaves in order, and the heap gets
@@ -28,11 +28,6 @@ use crate::{direct, mark, xact};
 use pgrx::prelude::*;
 use rustc_hash::FxHashMap;
 use std::cell::{Cell, RefCell};
-
-/// Keys remembered for one inbox before they are flushed in the middle of a statement: bounds the memory a load
-/// takes (about 70 bytes a key of 10 bytes, so 7 MB), while each flush still inserts enough sorted keys to walk the
-/// index's leaves in order.
-pub const FLUSH_AT: usize = 100_000;
 
 /// A remembered key's end of window (a `TimestampTz`) and the subtransaction that remembered it (its row's).
 #[derive(Clone, Copy)]
@@ -87,7 +82,7 @@ pub fn may_wait(inbox: &Inbox) -> bool {
 }
 
 /// Remembers `key` (certainly new to `inbox`, or remembered with a window that has ended) for a window of `ttl`
-/// (None: the inbox's default) from the statement's start, and flushes the inbox's keys once `FLUSH_AT` wait.
+/// (None: the inbox's default) from the statement's start, and flushes the inbox's keys once `flush_at()` wait.
 pub fn remember(inbox: &Inbox, key: &str, ttl: Option<Interval>) {
     if !CALLBACKS.replace(true) {
         // SAFETY: registers guarded callbacks for the rest of the backend's life.
@@ -101,11 +96,20 @@ pub fn remember(inbox: &Inbox, key: &str, ttl: Option<Interval>) {
     let remembered = Remembered { ends: statement_expiry(ttl.unwrap_or_else(|| inbox.default_ttl())).into(), by };
     let full = with_keys(&inbox.name, |keys| {
         keys.insert(key.into(), remembered);
-        keys.len() >= FLUSH_AT
+        keys.len() >= flush_at()
     });
     if full {
         flush_keys(inbox);
     }
+}
+
+/// Keys remembered for one inbox before they are flushed in the middle of a statement (`dedup.batch_flush_keys`):
+/// bounds the memory a load takes (about 100 bytes a key of 10 bytes at the flush, which sorts them: a backend's
+/// peak grew by 97 MB for 1,000,000 keys). The larger, the fewer sorted passes over the index a long load makes
+/// (each flush walks the leaves its keys fall on: a file of random keys, flushed in ten parts, walks most of the
+/// index ten times), and the more of the file's repeats are found in memory rather than through the index.
+fn flush_at() -> usize {
+    crate::guc::BATCH_FLUSH_KEYS.get() as usize
 }
 
 /// Runs `f` on the keys remembered for inbox `name` (an empty set if none were).
@@ -463,8 +467,18 @@ mod tests {
     #[pg_test]
     fn batch_flushes_in_the_middle_of_a_long_statement() {
         batched("bat_long", "skip");
-        let rows = super::FLUSH_AT + 5_000;
+        // A trigger that runs before the attachment's reads the inbox's table at the 3,000th row: by then its
+        // 2,999 keys were remembered, and flushed at 1,000 and 2,000.
+        run("CREATE TABLE bat_long_probe (n int, marks bigint);
+             CREATE FUNCTION bat_long_probe() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN
+               IF NEW.n = 3000 THEN INSERT INTO bat_long_probe SELECT NEW.n, count(*) FROM dedup.inbox_bat_long; END IF;
+               RETURN NEW;
+             END $$;
+             CREATE TRIGGER a_probe BEFORE INSERT ON bat_long FOR EACH ROW EXECUTE FUNCTION bat_long_probe();
+             SET dedup.batch_flush_keys = 1000");
+        let rows = 6_000;
         run(&format!("INSERT INTO bat_long SELECT 'k' || (g % {}), g FROM generate_series(1, {rows}) g", rows - 1_000));
+        assert_eq!(one::<i64>("SELECT marks FROM bat_long_probe WHERE n = 3000"), 2_000, "flushed every 1,000 keys");
         assert_eq!(count("bat_long"), (rows - 1_000) as i64, "repeats on both sides of a flush are dropped");
         assert_eq!(count("dedup.inbox_bat_long"), (rows - 1_000) as i64);
     }
