@@ -97,7 +97,7 @@ pub fn refuse_task_on_local_inbox(name: &str) -> ! {
     )
 }
 
-/// Refuses `function` (`advance()`, `position()`, `attempt()`) in a task backend (`task_backend()`), whatever
+/// Refuses `function` (`advance()`, `position()`, `attempt()`, `forget()`) in a task backend (`task_backend()`), whatever
 /// inbox it names: what it keeps — the positions table, the counts of delivery attempts in shared memory and their
 /// durable rows — is the node's own and is never distributed, so on a worker it would read and write that worker's
 /// state, not the coordinator's, where the caller's other calls look (a position that seems never advanced, a

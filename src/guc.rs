@@ -166,7 +166,9 @@ pub fn init() {
           go in at its end anyway; a larger value inserts a long load's keys in fewer sorted passes over the index.",
         &BATCH_FLUSH_KEYS,
         1_000,
-        100_000_000,
+        // About 1 GB at the flush: the keys are in Rust's heap, outside PostgreSQL's memory contexts, where
+        // running out would take the server's other sessions down with the backend.
+        10_000_000,
         GucContext::Userset,
         GucFlags::default(),
     );

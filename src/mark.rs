@@ -327,6 +327,8 @@ fn seen(id: Option<&str>, inbox: default!(Option<&str>, "'default'")) -> bool {
 #[pg_extern(volatile, parallel_unsafe)]
 fn forget(id: Option<&str>, inbox: default!(Option<&str>, "'default'")) -> bool {
     input::require_writable("forget");
+    // It resets the id's count of attempts, which is the node's own.
+    crate::citus::refuse_task_on_node_state("forget()");
     let id = input::id(id);
     let inbox = inbox::open(input::inbox_name(inbox), Access::Delete);
     attempts::forget(&inbox, id);

@@ -169,10 +169,13 @@ fn an_application_role_cannot_change_settings_or_the_inbox_tables() {
         .map(|r| (r.get(0), r.get(1)))
         .collect();
     assert!(settings.len() >= 8, "the extension's settings are registered: {settings:?}");
+    assert!(settings.iter().any(|(name, _)| name == per_session), "{per_session} is registered: {settings:?}");
     for (name, context) in &settings {
         if name == per_session {
             assert_eq!(context, "user");
             c.batch_execute(&format!("SET {name} = 5000")).unwrap();
+            let set: String = c.query_one(&format!("SHOW {name}"), &[]).unwrap().get(0);
+            assert_eq!(set, "5000", "the role set it for its session");
             let err = c.batch_execute(&format!("ALTER SYSTEM SET {name} = 5000")).unwrap_err();
             assert_eq!(sqlstate(&err), "42501", "{err}");
             continue;
