@@ -253,6 +253,7 @@ mod tests {
             [
                 "dedup.attempts_flush_interval",
                 "dedup.attempts_max",
+                "dedup.batch_flush_keys",
                 "dedup.bloom",
                 "dedup.bloom_capacity",
                 "dedup.bloom_false_positive_rate",
