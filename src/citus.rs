@@ -76,6 +76,10 @@ pub fn task_backend() -> bool {
     named && installed()
 }
 
+/// How a call reached this node in a task backend, for the errors that refuse it there.
+const THROUGH_CITUS: &str = "this call reached a node through Citus (a query pushed down to the shards of a \
+                             distributed table, or a delegated function call)";
+
 /// Refuses to serve inbox `name`, whose table is not distributed, in a task backend (`task_backend()`). Such a
 /// call was routed to this node by the statement's other arguments, never by the inbox: Citus pushes
 /// `SELECT dedup.mark(key) FROM <distributed table>` down into every shard's query, and sends a function distributed
@@ -87,9 +91,8 @@ pub fn refuse_task_on_local_inbox(name: &str) -> ! {
     raise(
         PgSqlErrorCode::ERRCODE_FEATURE_NOT_SUPPORTED,
         format!(
-            "inbox \"{name}\" is not distributed, and this call reached a node through Citus (a query pushed down \
-             to the shards of a distributed table, or a delegated function call), where its table is that node's \
-             own, not the one the statement meant"
+            "inbox \"{name}\" is not distributed, and {THROUGH_CITUS}, where its table is that node's own, not the \
+             one the statement meant"
         ),
         "Read the ids from the distributed table first, then mark them where the inbox is: WITH ids AS \
          MATERIALIZED (SELECT ... FROM <table>) SELECT dedup.mark(id, inbox => ...) FROM ids. Or distribute the \
@@ -97,8 +100,8 @@ pub fn refuse_task_on_local_inbox(name: &str) -> ! {
     )
 }
 
-/// Refuses `function` (`advance()`, `position()`, `attempt()`, `forget()`) in a task backend (`task_backend()`), whatever
-/// inbox it names: what it keeps — the positions table, the counts of delivery attempts in shared memory and their
+/// Refuses `function` (`advance()`, `position()`, `attempt()`, `forget()`) in a task backend (`task_backend()`),
+/// whatever inbox it names: what it keeps — the positions table, the counts of delivery attempts in shared memory and their
 /// durable rows — is the node's own and is never distributed, so on a worker it would read and write that worker's
 /// state, not the coordinator's, where the caller's other calls look (a position that seems never advanced, a
 /// count that starts again at 1).
@@ -107,9 +110,8 @@ pub fn refuse_task_on_node_state(function: &str) {
         raise(
             PgSqlErrorCode::ERRCODE_FEATURE_NOT_SUPPORTED,
             format!(
-                "{function} keeps its state on the node it runs on, and this call reached a node through Citus (a \
-                 query pushed down to the shards of a distributed table, or a delegated function call), whose \
-                 state is not the one the statement meant"
+                "{function} keeps its state on the node it runs on, and {THROUGH_CITUS}, whose state is not the one \
+                 the statement meant"
             ),
             format!(
                 "Read the ids from the distributed table first, then call {function} on the coordinator: WITH ids AS \

@@ -151,7 +151,8 @@ fn objects_on_the_callers_search_path_cannot_hijack_dedup() {
 
 #[test]
 fn an_application_role_cannot_change_settings_or_the_inbox_tables() {
-    // Preloaded, so that every setting is registered (without preload only dedup.bloom and dedup.batch_flush_keys are).
+    // Preloaded, so that every setting is registered (without preload only dedup.bloom and dedup.batch_flush_keys
+    // are).
     let server = preloaded("privileges_settings", &[]);
     let mut admin = server.fresh_db("privileges_settings");
     admin.batch_execute("CREATE ROLE app LOGIN").unwrap();
