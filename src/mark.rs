@@ -106,7 +106,12 @@ pub fn mark_answered(inbox: &Inbox, id: &str, ttl: Option<Interval>, certainly_n
         // in progress): the rounds decide, and wait for that transaction, without a second direct attempt.
         maybe = None;
     }
-    if maybe == Some(true) && rows::find_one(inbox, id).is_some_and(|row| later(row.expires_at, statement_now())) {
+    // An id this transaction wrote itself (a key repeated in a COPY into an attached table) is read where it went.
+    if maybe == Some(true)
+        && direct::own_row(inbox, id)
+            .or_else(|| rows::find_one(inbox, id))
+            .is_some_and(|row| later(row.expires_at, statement_now()))
+    {
         inbox.count(Counter::Duplicates, 1);
         return false;
     }
@@ -349,6 +354,35 @@ mod tests {
 
     fn counter(inbox: &str, column: &str) -> i64 {
         one::<i64>(&format!("SELECT {column} FROM dedup.stats WHERE inbox = '{inbox}'"))
+    }
+
+    /// Index scans of inbox `name`'s primary key in this transaction so far.
+    fn key_scans(name: &str) -> i64 {
+        one::<i64>(&format!("SELECT pg_stat_get_xact_numscans('dedup.inbox_{name}_pkey'::regclass)"))
+    }
+
+    /// A repeat of an id this transaction wrote is read where the row went (`direct::own_row`), no index scan; and
+    /// whatever the transaction did to that row since (forgot, deleted, expired it, or wrote it in a subtransaction
+    /// that rolled back), the answer is the index's.
+    #[pg_test]
+    fn mark_an_id_this_transaction_wrote_is_read_where_it_went_while_it_is_there() {
+        fresh_inbox("own");
+        assert!(one::<bool>("SELECT dedup.mark('o1', NULL, 'own')"));
+        let scans = key_scans("own");
+        assert!(!one::<bool>("SELECT dedup.mark('o1', NULL, 'own')"), "a duplicate of its own write");
+        assert_eq!(key_scans("own"), scans, "read where it went, not through the primary key");
+        run("SELECT dedup.forget('o1', 'own')");
+        assert!(one::<bool>("SELECT dedup.mark('o1', NULL, 'own')"), "forgotten: new again");
+        run("DELETE FROM dedup.inbox_own WHERE id = 'o1'");
+        assert!(one::<bool>("SELECT dedup.mark('o1', NULL, 'own')"), "deleted: new again");
+        run("UPDATE dedup.inbox_own SET expires_at = now() - interval '1 second' WHERE id = 'o1'");
+        assert!(one::<bool>("SELECT dedup.mark('o1', NULL, 'own')"), "expired: renewed");
+        assert!(!one::<bool>("SELECT dedup.mark('o1', NULL, 'own')"), "renewed: a duplicate again");
+        assert_eq!(count("dedup.inbox_own WHERE id = 'o1'"), 1);
+        run("DO $$ BEGIN PERFORM dedup.mark('o2', NULL, 'own'); RAISE EXCEPTION 'undo'; \
+             EXCEPTION WHEN raise_exception THEN NULL; END $$");
+        assert!(one::<bool>("SELECT dedup.mark('o2', NULL, 'own')"), "its subtransaction rolled back: new");
+        assert!(!one::<bool>("SELECT dedup.mark('o2', NULL, 'own')"));
     }
 
     #[pg_test]

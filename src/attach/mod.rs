@@ -484,6 +484,26 @@ mod tests {
         );
     }
 
+    /// A key repeated further on in a load is read where this transaction wrote its mark (`direct::own_row`), not
+    /// looked up through the inbox's primary key; a mark gone meanwhile lets the row through again.
+    #[pg_test]
+    fn attach_a_key_repeated_in_a_load_is_read_where_its_mark_went() {
+        events("att_rep");
+        run("SELECT dedup.create_inbox('att_rep'); SELECT dedup.attach('att_rep', 'event_id', inbox => 'att_rep')");
+        let scans = "SELECT pg_stat_get_xact_numscans('dedup.inbox_att_rep_pkey'::regclass)";
+        let before = one::<i64>(scans);
+        run("INSERT INTO att_rep (event_id, n) SELECT 'r' || (g % 50), g FROM generate_series(1, 200) g");
+        assert_eq!(count("att_rep"), 50, "each key once");
+        assert_eq!(one::<i64>(scans), before, "150 repeats, no index scan");
+        run("SELECT dedup.forget('r7', 'att_rep'); DELETE FROM dedup.inbox_att_rep WHERE id = 'r8'");
+        run("INSERT INTO att_rep (event_id, n) VALUES ('r7', 1000), ('r8', 1001), ('r9', 1002), ('r7', 1003)");
+        assert_eq!(
+            column("SELECT n::text FROM att_rep WHERE n >= 1000 ORDER BY n"),
+            ["1000", "1001"],
+            "a forgotten and a deleted mark let their keys through once more"
+        );
+    }
+
     #[pg_test]
     fn attach_on_duplicate_error_names_the_key() {
         events("att_err");

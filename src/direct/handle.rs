@@ -30,7 +30,9 @@
 
 use crate::relcache::Stale;
 use pgrx::prelude::*;
+use rustc_hash::{FxBuildHasher, FxHashMap};
 use std::cell::{Cell, RefCell};
+use std::hash::BuildHasher;
 use std::rc::Rc;
 
 /// What a use gets: the open table, its executor state and ResultRelInfo (indexes open), and an empty slot of the
@@ -40,10 +42,13 @@ pub struct Handle {
     pub estate: *mut pg_sys::EState,
     pub result_rel: *mut pg_sys::ResultRelInfo,
     pub slot: *mut pg_sys::TupleTableSlot,
-    /// The id and place of the claim in progress this transaction wrote last through the handle, for `complete()`
-    /// to read it there rather than descend the primary key again (`lookup::own_claim`). It goes with the handle:
-    /// a rollback to a savepoint or an invalidation of the table (a TRUNCATE) forgets it.
-    claimed: RefCell<Option<(String, pg_sys::ItemPointerData)>>,
+    /// Where this transaction wrote ids one at a time through the handle, by a hash of the id (`place_key`), so
+    /// that a later call of the same transaction reads the row there rather than descending the primary key again
+    /// (`lookup::own_row`): `complete()` after `claim()`, a key repeated further on in a COPY into an attached table.
+    /// The reader checks the row's id, so two ids of one hash cost only a lookup through the index. Forgotten when
+    /// locks may be gone (`locks_may_be_gone`: the end of the transaction, a subtransaction's rollback, which may
+    /// leave a dead row there); a TRUNCATE or any rewrite invalidates the table and so drops the handle with it.
+    written: RefCell<FxHashMap<u64, pg_sys::ItemPointerData>>,
 }
 
 /// A handle and what keeps it sound.
@@ -66,6 +71,12 @@ struct Held {
 
 /// Handles kept at most: a backend writing to more inboxes than this sets some up again now and then.
 const MAX_HELD: usize = 16;
+
+/// Places a handle remembers per transaction at most (`Handle::written`; about 20 bytes each, 20 MB at most): a
+/// COPY of more new keys than this into an attached table finds the repeats of the later ones through the index.
+const MAX_PLACES: usize = 1 << 20;
+/// A map of remembered places that grew past this many is freed at the end of its transaction, not kept empty.
+const KEPT_PLACES: usize = 1024;
 
 thread_local! {
     /// The handles, the one used last at the end.
@@ -117,7 +128,7 @@ impl Held {
             }
             let slot = super::row_slots(rel, 1)[0];
             pg_sys::MemoryContextSwitchTo(caller);
-            let handle = Handle { rel, estate, result_rel, slot, claimed: RefCell::new(None) };
+            let handle = Handle { rel, estate, result_rel, slot, written: RefCell::default() };
             for r in handle.relations() {
                 pg_sys::RelationDecrementReferenceCount(r);
             }
@@ -238,20 +249,11 @@ impl Handle {
         insert()
     }
 
-    /// Remembers that the row at `tid` is the claim of `id` in progress this transaction just wrote.
-    pub fn remember_claim(&self, id: &str, tid: pg_sys::ItemPointerData) {
-        *self.claimed.borrow_mut() = Some((id.to_owned(), tid));
-    }
-
-    /// Where the last claim remembered was written, if it was a claim of `id` (forgotten once asked for).
-    pub fn take_claim(&self, id: &str) -> Option<pg_sys::ItemPointerData> {
-        let mut claimed = self.claimed.borrow_mut();
-        match claimed.take() {
-            Some((claimed_id, tid)) if claimed_id == id => Some(tid),
-            other => {
-                *claimed = other;
-                None
-            }
+    /// Remembers that this transaction just wrote the row of `id` at `tid` (up to `MAX_PLACES` places).
+    pub fn remember(&self, id: &str, tid: pg_sys::ItemPointerData) {
+        let mut written = self.written.borrow_mut();
+        if written.len() < MAX_PLACES {
+            written.insert(place_key(id), tid);
         }
     }
 
@@ -352,6 +354,25 @@ pub unsafe fn with<R>(relid: pg_sys::Oid, write: impl FnOnce(&Handle) -> R) -> R
     }
 }
 
+/// The hash a handle remembers the place of an id by.
+fn place_key(id: &str) -> u64 {
+    FxBuildHasher.hash_one(id)
+}
+
+/// Where this transaction last wrote `id` through the handle on inbox table `relid`, if it remembers (a row of
+/// another id, when two ids share a hash: the reader checks). Takes no lock and sets nothing up: a duplicate mark,
+/// which asks first, pays a search of the few handles and nothing else.
+pub fn written_at(relid: pg_sys::Oid, id: &str) -> Option<pg_sys::ItemPointerData> {
+    HELD.with(|held| {
+        let held = held.borrow();
+        let written = held.iter().find(|h| h.relid == relid)?.handle.written.borrow();
+        if written.is_empty() {
+            return None;
+        }
+        written.get(&place_key(id)).copied()
+    })
+}
+
 /// Runs `read` with the backend's handle on inbox table `relid` if it has a sound one not in use (None
 /// otherwise: nothing is set up for it). For what a handle remembers between uses.
 ///
@@ -373,17 +394,21 @@ fn register_callbacks() {
     }
 }
 
-/// A claim remembered by a handle is where this transaction wrote it: forgotten when the transaction ends (no lock
-/// is held on the table then, and a VACUUM may remove the row and cut the place off) and when a subtransaction
-/// rolls back (the claim may have been its, a dead row now).
+/// The places a handle remembers are where this transaction wrote rows: forgotten when the transaction ends (no lock
+/// is held on the table then, and a VACUUM may remove a row and cut its place off) and when a subtransaction rolls
+/// back (a row may have been its, a dead row now, whose place pruning may give to another row).
 fn locks_may_be_gone() {
     LOCKS.set(LOCKS.get() + 1);
     HELD.with(|held| {
         // (Never borrowed across a call into PostgreSQL, so free here; checked all the same, at an abort.)
         if let Ok(held) = held.try_borrow() {
             for h in held.iter() {
-                if let Ok(mut claimed) = h.handle.claimed.try_borrow_mut() {
-                    claimed.take();
+                if let Ok(mut written) = h.handle.written.try_borrow_mut() {
+                    if written.capacity() > KEPT_PLACES {
+                        *written = FxHashMap::default();
+                    } else {
+                        written.clear();
+                    }
                 }
             }
         }

@@ -43,11 +43,12 @@ pub fn insert(inbox: &Inbox, ids: &[&str], row: &Row) -> usize {
         } else {
             // SAFETY: the table is open, with RowExclusiveLock, and its shape `plain`.
             let inserted = unsafe { insert_each(table, inbox.ns, ids, &values) };
-            if let ([id], 1, Some(false)) = (ids, inserted, row.completed) {
-                // A claim in progress, which complete() will look for in this transaction. The slot still holds
-                // the row just inserted, and so where it went.
+            if let ([id], 1) = (ids, inserted) {
+                // A later call of this transaction may read this id (complete() after claim(), a repeat of the key
+                // in a COPY into an attached table). The slot still holds the row just inserted, and so where it
+                // went.
                 // SAFETY: the handle's slot, in use.
-                table.remember_claim(id, unsafe { (*table.slot).tts_tid });
+                table.remember(id, unsafe { (*table.slot).tts_tid });
             }
             inserted
         }

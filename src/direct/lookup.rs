@@ -43,31 +43,32 @@ pub fn find_one(inbox: &Inbox, id: &str) -> Option<Found> {
     unsafe { with_scan(inbox, pg_sys::CurrentMemoryContext, |scan| scan.one(id)) }
 }
 
-/// The claim in progress of `id` that this transaction's last `claim()` wrote (`Handle::remember_claim`), read at
+/// The row of `id` that this transaction wrote last through the inbox's write handle (`Handle::remember`), read at
 /// the place it was written instead of through the primary key: `complete()` in the claim's own transaction, its
-/// usual case, skips a descent and an index scan's set-up. It is read under a fresh snapshot as `find_one` would
-/// read it, so a version that a later statement of the transaction changed or deleted is invisible there, and the
-/// caller looks the id up as usual (None); so is anything else (no claim remembered, another id's).
-pub fn own_claim(inbox: &Inbox, id: &str) -> Option<Found> {
+/// usual case, and a key repeated further on in a COPY into an attached table skip a descent and an index scan's
+/// set-up. It is read under a fresh snapshot as `find_one` would read it, so a version that a later statement of
+/// the transaction changed or deleted is invisible there, and the caller looks the id up as usual (None); so is
+/// anything else (no place remembered, another id's row there).
+pub fn own_row(inbox: &Inbox, id: &str) -> Option<Found> {
     if !readable(inbox) {
         return None;
     }
+    let mut tid = super::handle::written_at(inbox.relid, id)?;
     // SAFETY: `pg_sys::CurrentMemoryContext` is the caller's, live after this returns.
     let caller = unsafe { pg_sys::CurrentMemoryContext };
     // SAFETY: the inbox was opened and locked by this transaction. The remembered place is in the table the handle
     // has open (a TRUNCATE or any rewrite invalidates the table and so drops the handle with what it remembered),
     // and holds a row this very transaction inserted: never dead while the transaction runs unless a subtransaction
-    // that inserted it rolled back, which forgets the place (so no VACUUM can have freed it or cut it off). The
-    // snapshot is registered for the fetch only; the row is copied into the caller's memory context before the slot
-    // lets go of its buffer.
+    // that inserted it rolled back, which forgets the place (so no VACUUM or pruning can have freed it or given it
+    // to another row). The snapshot is registered for the fetch only; the row is copied into the caller's memory
+    // context before the slot lets go of its buffer.
     unsafe {
         super::handle::with_held(inbox.relid, |table| {
-            let mut tid = table.take_claim(id)?;
             pg_sys::CommandCounterIncrement();
             let snapshot = pg_sys::RegisterSnapshot(pg_sys::GetTransactionSnapshot());
             let visible = pg_sys::table_tuple_fetch_row_version(table.rel, &mut tid, snapshot, table.slot);
             pg_sys::UnregisterSnapshot(snapshot);
-            // The place holds this id's row (it held it when remembered; checked all the same, it costs little).
+            // The place holds this id's row, or another id's of the same hash: checked.
             if !visible || entry_id(table.slot) != id.as_bytes() {
                 return None;
             }

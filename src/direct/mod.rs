@@ -19,7 +19,7 @@ mod update;
 
 pub use delete::delete_expired;
 pub use insert::{insert, insert_new};
-pub use lookup::{find_each, find_one, own_claim, readable, Found};
+pub use lookup::{find_each, find_one, own_row, readable, Found};
 pub use update::complete_own;
 
 use crate::jsonb::Jsonb;
