@@ -72,9 +72,10 @@ struct Held {
 /// Handles kept at most: a backend writing to more inboxes than this sets some up again now and then.
 const MAX_HELD: usize = 16;
 
-/// Places a handle remembers per transaction at most (`Handle::written`; about 20 bytes each, 20 MB at most): a
-/// COPY of more new keys than this into an attached table finds the repeats of the later ones through the index.
-const MAX_PLACES: usize = 1 << 20;
+/// Places the handles remember per transaction at most, all together (`Handle::written`): a COPY of more new keys
+/// than this into attached tables finds the repeats of the later ones through the index. 7/8 of 2^20, so that one
+/// map holding them all stays at 2^20 slots of 17 bytes: 18 MB (27 MB for a moment while it grows to that).
+const MAX_PLACES: usize = 917_504;
 /// A map of remembered places that grew past this many is freed at the end of its transaction, not kept empty.
 const KEPT_PLACES: usize = 1024;
 
@@ -85,6 +86,8 @@ thread_local! {
     /// locked in an earlier generation takes its locks again before its next use.
     static LOCKS: Cell<u64> = const { Cell::new(1) };
     static CALLBACKS: Cell<bool> = const { Cell::new(false) };
+    /// Places remembered by all handles since they were last forgotten (`MAX_PLACES`).
+    static PLACES: Cell<usize> = const { Cell::new(0) };
 }
 
 impl Held {
@@ -249,11 +252,13 @@ impl Handle {
         insert()
     }
 
-    /// Remembers that this transaction just wrote the row of `id` at `tid` (up to `MAX_PLACES` places).
+    /// Remembers that this transaction just wrote the row of `id` at `tid` (up to `MAX_PLACES` places). Only a
+    /// shortcut: when the memory for one more is not there, nothing is remembered (Rust's allocator would abort the
+    /// whole server where palloc raises an ERROR).
     pub fn remember(&self, id: &str, tid: pg_sys::ItemPointerData) {
         let mut written = self.written.borrow_mut();
-        if written.len() < MAX_PLACES {
-            written.insert(place_key(id), tid);
+        if PLACES.get() < MAX_PLACES && written.try_reserve(1).is_ok() && written.insert(place_key(id), tid).is_none() {
+            PLACES.set(PLACES.get() + 1);
         }
     }
 
@@ -399,6 +404,7 @@ fn register_callbacks() {
 /// back (a row may have been its, a dead row now, whose place pruning may give to another row).
 fn locks_may_be_gone() {
     LOCKS.set(LOCKS.get() + 1);
+    PLACES.set(0);
     HELD.with(|held| {
         // (Never borrowed across a call into PostgreSQL, so free here; checked all the same, at an abort.)
         if let Ok(held) = held.try_borrow() {

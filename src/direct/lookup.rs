@@ -63,8 +63,9 @@ pub fn own_row(inbox: &Inbox, id: &str) -> Option<Found> {
     // to another row). The snapshot is registered for the fetch only; the row is copied into the caller's memory
     // context before the slot lets go of its buffer.
     unsafe {
+        // First, so that invalidations it processes (the transaction's own DDL) are seen by `with_held`'s check.
+        pg_sys::CommandCounterIncrement();
         super::handle::with_held(inbox.relid, |table| {
-            pg_sys::CommandCounterIncrement();
             let snapshot = pg_sys::RegisterSnapshot(pg_sys::GetTransactionSnapshot());
             let visible = pg_sys::table_tuple_fetch_row_version(table.rel, &mut tid, snapshot, table.slot);
             pg_sys::UnregisterSnapshot(snapshot);
