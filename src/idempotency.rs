@@ -241,7 +241,7 @@ fn complete(id: Option<&str>, result: default!(Option<Jsonb>, "NULL"), inbox: de
             hint,
         )
     };
-    let Some(found) = direct::own_row(&inbox, id).or_else(|| rows::find_one(&inbox, id)) else {
+    let Some(found) = rows::find_own_or_one(&inbox, id) else {
         not_in_progress(
             "is not claimed".into(),
             "Claim it with dedup.claim() first, in this transaction or with a lease.",

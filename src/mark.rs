@@ -106,11 +106,7 @@ pub fn mark_answered(inbox: &Inbox, id: &str, ttl: Option<Interval>, certainly_n
         // in progress): the rounds decide, and wait for that transaction, without a second direct attempt.
         maybe = None;
     }
-    // An id this transaction wrote itself (a key repeated in a COPY into an attached table) is read where it went.
-    if maybe == Some(true)
-        && direct::own_row(inbox, id)
-            .or_else(|| rows::find_one(inbox, id))
-            .is_some_and(|row| later(row.expires_at, statement_now()))
+    if maybe == Some(true) && rows::find_own_or_one(inbox, id).is_some_and(|row| later(row.expires_at, statement_now()))
     {
         inbox.count(Counter::Duplicates, 1);
         return false;

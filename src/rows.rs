@@ -46,3 +46,9 @@ pub fn find_one(inbox: &Inbox, id: &str) -> Option<Found> {
     }
     find(inbox, &[id]).pop().flatten()
 }
+
+/// `find_one`, read first where this transaction wrote the row if it did (`direct::own_row`): `complete()` after
+/// `claim()`, a key repeated in a COPY into an attached table.
+pub fn find_own_or_one(inbox: &Inbox, id: &str) -> Option<Found> {
+    direct::own_row(inbox, id).or_else(|| find_one(inbox, id))
+}
