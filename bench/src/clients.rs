@@ -66,18 +66,21 @@ pub fn raw_sql(table: &str) -> impl Fn(&str) -> String + '_ {
     }
 }
 
-/// Row "A vs B" from two measured sides, with their WAL per id when both have it.
+/// Row "A vs B" from two measured sides, with their WAL and server CPU per id when both have them.
 pub fn row(
     scenario: String,
     (a_label, a): (&str, &Measured),
     (b_label, b): (&str, &Measured),
     unit: &'static str,
 ) -> Row {
-    let row = Row::new(&scenario, (a_label, a.rate), (b_label, b.rate), unit);
-    match (a.wal_per_id, b.wal_per_id) {
-        (Some(wa), Some(wb)) => row.wal(wa, wb),
-        _ => row,
+    let mut row = Row::new(&scenario, (a_label, a.rate), (b_label, b.rate), unit);
+    if let (Some(wa), Some(wb)) = (a.wal_per_id, b.wal_per_id) {
+        row = row.wal(wa, wb);
     }
+    if let (Some(ca), Some(cb)) = (a.cpu_per_id, b.cpu_per_id) {
+        row = row.cpu(ca, cb);
+    }
+    row
 }
 
 /// The scenarios' shared parts: the connection, pgbench, the scale and the scripts' building blocks.

@@ -45,6 +45,8 @@ pub struct Measured {
     pub rate: f64,
     /// WAL bytes per id (pgbench sides only).
     pub wal_per_id: Option<f64>,
+    /// The server's CPU microseconds per id (pgbench sides only).
+    pub cpu_per_id: Option<f64>,
     /// ids processed over all rounds (pgbench sides), i.e. the rows a side of all-new ids added to its table.
     pub ids: u64,
 }
@@ -52,6 +54,7 @@ pub struct Measured {
 struct Sample {
     rate: f64,
     wal_per_id: Option<f64>,
+    cpu_per_id: Option<f64>,
     ids: u64,
 }
 
@@ -64,13 +67,22 @@ fn sample(c: &mut Client, pgbench: &Pgbench, setting: &Setting, side: &Side) -> 
             };
             let run = on.run(c, script, setting);
             let ids = *ids as f64;
-            Sample { rate: run.tps * ids, wal_per_id: Some(run.wal_per_tx / ids), ids: run.transactions * ids as u64 }
+            Sample {
+                rate: run.tps * ids,
+                wal_per_id: Some(run.wal_per_tx / ids),
+                cpu_per_id: Some(run.cpu_per_tx * 1e6 / ids),
+                ids: run.transactions * ids as u64,
+            }
         }
-        Side::Redis(redis) => {
-            Sample { rate: redis.set_nx_rate(setting.clients, setting.secs), wal_per_id: None, ids: 0 }
-        }
+        Side::Redis(redis) => Sample {
+            rate: redis.set_nx_rate(setting.clients, setting.secs),
+            wal_per_id: None,
+            cpu_per_id: None,
+            ids: 0,
+        },
         Side::Fsync(file) => {
-            Sample { rate: crate::fsync::fdatasync_rate(file, setting.secs.min(2)), wal_per_id: None, ids: 0 }
+            let rate = crate::fsync::fdatasync_rate(file, setting.secs.min(2));
+            Sample { rate, wal_per_id: None, cpu_per_id: None, ids: 0 }
         }
     }
 }
@@ -93,7 +105,8 @@ pub fn compare(c: &mut Client, pgbench: &Pgbench, setting: &Setting, sides: &[Si
         let s = sample(c, pgbench, setting, &sides[side]);
         if verbose() {
             let wal = s.wal_per_id.map_or(String::new(), |w| format!(", WAL {w:.1} B/id"));
-            eprintln!("[bench]   {} ({}): {:.0}/s{wal}", sides[side].name(), setting.label(), s.rate);
+            let cpu = s.cpu_per_id.map_or(String::new(), |c| format!(", server CPU {c:.1} µs/id"));
+            eprintln!("[bench]   {} ({}): {:.0}/s{wal}{cpu}", sides[side].name(), setting.label(), s.rate);
         }
         s
     });
@@ -102,6 +115,7 @@ pub fn compare(c: &mut Client, pgbench: &Pgbench, setting: &Setting, sides: &[Si
         .map(|runs| Measured {
             rate: median(runs.iter().map(|s| s.rate).collect()),
             wal_per_id: runs.iter().map(|s| s.wal_per_id).collect::<Option<Vec<_>>>().map(median),
+            cpu_per_id: runs.iter().map(|s| s.cpu_per_id).collect::<Option<Vec<_>>>().map(median),
             ids: runs.iter().map(|s| s.ids).sum(),
         })
         .collect()

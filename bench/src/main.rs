@@ -13,6 +13,7 @@ mod chart;
 mod citus;
 mod clients;
 mod compare;
+mod cpu;
 mod expiry;
 mod filter;
 mod fsync;
@@ -99,6 +100,8 @@ pub struct Row {
     pub goal: Option<Goal>,
     /// WAL bytes per id of A and B (client-side scenarios).
     pub wal: Option<[f64; 2]>,
+    /// The server's CPU microseconds per id of A and B (client-side scenarios).
+    pub cpu: Option<[f64; 2]>,
 }
 
 impl Row {
@@ -112,6 +115,7 @@ impl Row {
             unit,
             goal: None,
             wal: None,
+            cpu: None,
         }
     }
 
@@ -121,6 +125,10 @@ impl Row {
 
     pub fn wal(self, a: f64, b: f64) -> Row {
         Row { wal: Some([a, b]), ..self }
+    }
+
+    pub fn cpu(self, a: f64, b: f64) -> Row {
+        Row { cpu: Some([a, b]), ..self }
     }
 
     /// A / B; none when B is 0, or when the goal is A = 0 (WAL bytes of duplicates: a fraction of a byte of

@@ -32,6 +32,8 @@ pub struct Run {
     /// WAL inserted during the run (pg_current_wal_insert_lsn() before and after) per transaction. Background
     /// records (running-xacts snapshots, a checkpoint) count too: a few bytes spread over the whole run.
     pub wal_per_tx: f64,
+    /// The server's CPU seconds per transaction during the run (crate::cpu: every `postgres` process).
+    pub cpu_per_tx: f64,
 }
 
 pub struct Pgbench {
@@ -73,13 +75,15 @@ impl Pgbench {
         if setting.connect_per_tx {
             command.arg("-C");
         }
+        let cpu = crate::cpu::read();
         let out = command.arg(&self.db).output();
+        let cpu = crate::cpu::since(&cpu);
         let wal: f64 = c
             .query_one("SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), $1::text::pg_lsn)::float8", &[&before])
             .unwrap()
             .get(0);
         let (transactions, tps) = self.summary(script, out);
-        Run { tps, transactions, wal_per_tx: wal / transactions as f64 }
+        Run { tps, transactions, wal_per_tx: wal / transactions as f64, cpu_per_tx: cpu / transactions as f64 }
     }
 
     /// Runs `script` like `run` (sync off) and returns every transaction, from pgbench's per-transaction log: for

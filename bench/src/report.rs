@@ -30,6 +30,12 @@ fn wal(r: &Row) -> String {
     r.wal.map_or(String::new(), |[a, b]| format!("WAL {a:.0} / {b:.0} B"))
 }
 
+/// The server's CPU per id of A and B, and their ratio (the row's rate ratio's counterpart, inverted: below 1, A
+/// costs the server less).
+fn cpu(r: &Row) -> String {
+    r.cpu.map_or(String::new(), |[a, b]| format!("{a:.1} / {b:.1} µs ({:.2}x)", a / b))
+}
+
 fn field<'a>(machine: &'a Machine, name: &str) -> &'a str {
     machine.iter().find(|(k, _)| *k == name).map_or("", |(_, v)| v.as_str())
 }
@@ -45,7 +51,7 @@ pub fn print(rows: &[Row], machine: &Machine) {
     println!("{:<68} {:>30} {:>30} {:>8} {:>7}", "scenario", "A", "B", "A / B", "goal");
     for r in rows {
         println!(
-            "{:<68} {:>30} {:>30} {:>8} {:>7} {:1}  {:<9} {}",
+            "{:<68} {:>30} {:>30} {:>8} {:>7} {:1}  {:<9} {}  {}",
             r.scenario,
             value(&r.variant_a, r.a),
             value(&r.variant_b, r.b),
@@ -53,7 +59,8 @@ pub fn print(rows: &[Row], machine: &Machine) {
             r.goal.map_or(String::new(), |g| g.label()),
             verdict(r),
             r.unit,
-            wal(r)
+            wal(r),
+            r.cpu.map_or(String::new(), |_| format!("server CPU {}", cpu(r)))
         );
     }
 }
@@ -84,7 +91,7 @@ fn json(rows: &[Row], curve: &[Point], machine: &Machine) -> String {
         .map(|r| {
             format!(
                 "    {{\"scenario\": {}, \"a\": {}, \"a_value\": {}, \"b\": {}, \"b_value\": {}, \"unit\": {}, \"ratio\": {}, \
-                 \"goal\": {}, \"goal_met\": {}, \"wal_bytes_per_id\": {}}}",
+                 \"goal\": {}, \"goal_met\": {}, \"wal_bytes_per_id\": {}, \"server_cpu_us_per_id\": {}}}",
                 json_string(&r.scenario),
                 json_string(&r.variant_a),
                 json_number(Some(r.a)),
@@ -95,6 +102,7 @@ fn json(rows: &[Row], curve: &[Point], machine: &Machine) -> String {
                 r.goal.map_or("null".into(), |g| json_string(&g.label())),
                 r.met().map_or("null".into(), |m| m.to_string()),
                 r.wal.map_or("null".into(), |[a, b]| format!("[{}, {}]", json_number(Some(a)), json_number(Some(b)))),
+                r.cpu.map_or("null".into(), |[a, b]| format!("[{}, {}]", json_number(Some(a)), json_number(Some(b)))),
             )
         })
         .collect();
@@ -128,11 +136,12 @@ fn markdown(rows: &[Row], curve: &[Point], machine: &Machine) -> String {
         md.push_str(&format!("| {k} | {} |\n", cell(v)));
     }
     md.push_str(
-        "\n| scenario | A | B | A / B | goal | | unit | WAL per id (A / B) |\n|---|---:|---:|---:|---|---|---|---|\n",
+        "\n| scenario | A | B | A / B | goal | | unit | WAL per id (A / B) | server CPU per id (A / B) |\n\
+         |---|---:|---:|---:|---|---|---|---|---|\n",
     );
     for r in rows {
         md.push_str(&format!(
-            "| {} | {} | {} | **{}** | {} | {} | {} | {} |\n",
+            "| {} | {} | {} | **{}** | {} | {} | {} | {} | {} |\n",
             cell(&r.scenario),
             cell(&value(&r.variant_a, r.a)),
             cell(&value(&r.variant_b, r.b)),
@@ -140,7 +149,8 @@ fn markdown(rows: &[Row], curve: &[Point], machine: &Machine) -> String {
             r.goal.map_or(String::new(), |g| g.label()),
             verdict(r),
             r.unit,
-            r.wal.map_or(String::new(), |[a, b]| format!("{a:.0} / {b:.0} B"))
+            r.wal.map_or(String::new(), |[a, b]| format!("{a:.0} / {b:.0} B")),
+            cpu(r)
         ));
     }
     if !curve.is_empty() {
