@@ -20,18 +20,19 @@ const DUPLICATE_GOAL: Goal = Goal::AtLeast(1.05);
 /// Creates `raw`, a table identical to the inbox table `inbox` (columns, collation, indexes, reloptions; no
 /// trigger: the filter's trigger is part of what pg_dedup costs) holding the same rows.
 pub fn raw_twin(c: &mut Client, inbox: &str, raw: &str) {
-    c.batch_execute(&format!("CREATE TABLE {raw} (LIKE {inbox} INCLUDING ALL)")).unwrap();
-    let options: Option<String> = c
-        .query_one(
-            &format!("SELECT array_to_string(reloptions, ', ') FROM pg_class WHERE oid = '{inbox}'::regclass"),
-            &[],
-        )
-        .unwrap()
-        .get(0);
-    if let Some(options) = options.filter(|o| !o.is_empty()) {
-        c.batch_execute(&format!("ALTER TABLE {raw} SET ({options})")).unwrap();
-    }
+    c.batch_execute(&format!("CREATE TABLE {raw} (LIKE {inbox} INCLUDING ALL); {}", same_storage(inbox, raw))).unwrap();
     c.batch_execute(&format!("INSERT INTO {raw} SELECT * FROM {inbox}")).unwrap();
+}
+
+/// SQL giving table `to` the storage options (reloptions) of table `from`: an inbox's autovacuum settings, which
+/// make autovacuum visit it four times as often as a table without them, and whose work (and the free space it
+/// leaves all over the table for later inserts) counts on our side of a comparison.
+pub fn same_storage(from: &str, to: &str) -> String {
+    format!(
+        "DO $$ DECLARE options text := (SELECT array_to_string(reloptions, ', ') FROM pg_class \
+                                         WHERE oid = '{from}'::regclass); \
+         BEGIN IF options <> '' THEN EXECUTE format('ALTER TABLE {to} SET (%s)', options); END IF; END $$"
+    )
 }
 
 /// Vacuums the freshly loaded `tables` (so autovacuum does not pick them up mid-measurement) and checkpoints (so

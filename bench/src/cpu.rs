@@ -1,6 +1,8 @@
-//! The CPU time PostgreSQL's processes spend during a client-side run, from /proc: beside the rate, a figure the
-//! shared machine's noise moves far less (a neighbour that steals the CPU or a slow round trip lowers the rate of a
-//! 1-client run, not the work each transaction takes), and the one that says what a transaction costs the server.
+//! The CPU time PostgreSQL's processes spend during a client-side run, from /proc: beside the rate, what a
+//! transaction costs the server, whatever the client and the round trips add to its wall-clock time. (It is no cure
+//! for this shared machine's noise: in a run of the clients and idempotency sections, the CPU per id of a side moved
+//! from round to round by about as much as its rate, 4% at the median; at one client somewhat less, 5–12% against
+//! 12–16%.)
 //!
 //! Every process named `postgres` on the machine counts (the bench's clusters are the only ones while it runs; the
 //! Citus section's three nodes all work for one distributed transaction): the processes' own user+system time and,
@@ -13,18 +15,19 @@ use std::time::{Duration, Instant};
 /// /proc's clock ticks per second (USER_HZ): 100 on every Linux `getconf CLK_TCK` has been asked on.
 const TICKS_PER_SECOND: f64 = 100.0;
 
-/// A reading: the summed CPU ticks and how many `postgres` processes there were.
+/// A reading: the summed CPU ticks, and which `postgres` processes there were.
 pub struct Reading {
     ticks: u64,
-    processes: usize,
+    pids: Vec<u32>,
 }
 
 /// Reads every `postgres` process's CPU ticks (own and reaped children's).
 pub fn read() -> Reading {
-    let mut reading = Reading { ticks: 0, processes: 0 };
+    let mut reading = Reading { ticks: 0, pids: Vec::new() };
     for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|name| name.parse::<u32>().ok()) else { continue };
         // A process may end between the listing and the read: skip it (its time is in its parent's by then, or
-        // will be once reaped, which `after` waits for).
+        // will be once reaped, which `since` waits for).
         let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else { continue };
         // "pid (comm) state ppid ...": the name may hold spaces, so the fields are counted after its ')'.
         let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else { continue };
@@ -34,17 +37,19 @@ pub fn read() -> Reading {
         // After ')': state (field 3 of stat) first; utime, stime, cutime, cstime are fields 14 to 17.
         let fields: Vec<&str> = stat[close + 1..].split_whitespace().collect();
         reading.ticks += fields[11..15].iter().map(|f| f.parse::<u64>().unwrap_or(0)).sum::<u64>();
-        reading.processes += 1;
+        reading.pids.push(pid);
     }
     reading
 }
 
-/// Server CPU seconds since `before`, read once the run's backends are gone: waits (at most a second) until no
-/// more `postgres` processes are left than before the run, so that their time has reached their postmaster's.
+/// Server CPU seconds since `before`, read once the processes that started since (the run's backends) are gone,
+/// so that their time has reached their postmaster's: a process that ends between the reading of its parent and
+/// its own would count for nothing. Waits at most a second (an autovacuum worker may still be at work: it counts
+/// as it stands).
 pub fn since(before: &Reading) -> f64 {
     let deadline = Instant::now() + Duration::from_secs(1);
     let mut now = read();
-    while now.processes > before.processes && Instant::now() < deadline {
+    while now.pids.iter().any(|pid| !before.pids.contains(pid)) && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(10));
         now = read();
     }

@@ -1,5 +1,5 @@
 //! Idempotency keys: `claim()` + `complete()` with a 1 kB result against what teams write by hand (an
-//! `idempotency_keys` table with the inbox's key, expiry and their two indexes: INSERT ... ON CONFLICT DO NOTHING
+//! `idempotency_keys` table with the inbox's key, expiry, their two indexes and storage options: INSERT ... ON CONFLICT DO NOTHING
 //! RETURNING, then for a new key the UPDATE of the response, for a replay a SELECT ... FOR UPDATE), for
 //! new keys and for replays, at 1 and 8 clients, sync off, one request per transaction, with the ceiling of a new
 //! key's request (the same two statements' round trips, doing nothing). And what the claim columns
@@ -24,11 +24,13 @@ pub fn setup_sql() -> String {
          CREATE TABLE idempotency_keys (key text COLLATE \"C\" PRIMARY KEY, request_params text, response jsonb,
                                         locked_at timestamptz, expires_at timestamptz NOT NULL);
          CREATE INDEX ON idempotency_keys (expires_at);
+         {};
          INSERT INTO dedup.inbox_keys (id, expires_at, fingerprint, result, completed)
            SELECT 'rep-' || g, now() + interval '1 day', 'fp-' || g, {RESULT}, true
              FROM generate_series(1, {COMPLETED_KEYS}) g;
          INSERT INTO idempotency_keys SELECT 'rep-' || g, 'fp-' || g, {RESULT}, NULL, now() + interval '1 day'
-             FROM generate_series(1, {COMPLETED_KEYS}) g;"
+             FROM generate_series(1, {COMPLETED_KEYS}) g;",
+        crate::clients::same_storage("dedup.inbox_keys", "idempotency_keys")
     )
 }
 
