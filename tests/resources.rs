@@ -1,7 +1,8 @@
-//! Memory, encodings and errors: `mark_many()` of a million ids stays within 3× the memory of
-//! the hand-written insert, dropped inboxes do not leak per-backend memory, a non-UTF8 database is refused with a
-//! clear error, `dedup.purge()` leaves a `SET LOCAL` local, concurrent drop/create of an inbox answers "does not
-//! exist", and errors PostgreSQL raises reach the client without a Rust backtrace.
+//! Memory, encodings and errors: `mark_many()` of a million ids stays within 3× the memory of the hand-written
+//! insert, a transaction remembers where it wrote at most 917,504 ids, dropped inboxes do not leak per-backend
+//! memory, a non-UTF8 database is refused with a clear error, `dedup.purge()` leaves a `SET LOCAL` local, concurrent
+//! drop/create of an inbox answers "does not exist", and errors PostgreSQL raises reach the client without a Rust
+//! backtrace.
 
 use pg_dedup_harness::postgres::Client;
 use pg_dedup_tests::*;
@@ -69,6 +70,44 @@ fn mark_many_of_a_million_ids_stays_within_three_times_the_hand_written_memory()
     assert!(ours_new <= 3 * hand_new.max(1 << 20), "new ids: {:.1} MB vs {:.1} MB", mb(ours_new), mb(hand_new));
     assert!(ours_dup <= 3 * hand_dup.max(1 << 20), "duplicates: {:.1} MB vs {:.1} MB", mb(ours_dup), mb(hand_dup));
     assert!(ours_new <= 15 * ours_small.max(1 << 20), "a cliff between 100k and 1M ids");
+}
+
+/// A transaction remembers where it wrote each id, so that a repeat in the same load is read there instead of
+/// through the index, but at most 917,504 places for all inboxes together (src/direct/handle.rs, `MAX_PLACES`:
+/// one map of 18 MB): past that, repeats are found through the index, and the load goes on. Two attached tables,
+/// each half the cap and 50 keys more, fill it together: a cap per inbox would remember every key of both.
+#[test]
+fn a_transaction_remembers_where_it_wrote_at_most_917504_ids_for_all_inboxes_together() {
+    const HALF: i64 = 917_504 / 2 + 50;
+    let cluster = preloaded("postgres", &[]);
+    let mut c = cluster.fresh_db("places_cap");
+    c.batch_execute(
+        "SELECT dedup.create_inbox('a'), dedup.create_inbox('b');
+         CREATE TABLE feed_a (event_id text NOT NULL); CREATE TABLE feed_b (event_id text NOT NULL);
+         SELECT dedup.attach('feed_a', 'event_id', inbox => 'a'), dedup.attach('feed_b', 'event_id', inbox => 'b')",
+    )
+    .unwrap();
+    let scans = |c: &mut Client, inbox: &str| -> i64 {
+        let sql = format!("SELECT pg_stat_get_xact_numscans('dedup.inbox_{inbox}_pkey'::regclass)");
+        c.query_one(&sql, &[]).unwrap().get(0)
+    };
+    let load = |c: &mut Client, feed: &str, from: i64, to: i64| {
+        let sql = format!("INSERT INTO {feed} SELECT 'k' || g FROM generate_series({from}, {to}) g");
+        c.batch_execute(&sql).unwrap();
+    };
+    c.batch_execute("BEGIN").unwrap();
+    load(&mut c, "feed_a", 1, HALF);
+    load(&mut c, "feed_b", 1, HALF);
+    let (a, b) = (scans(&mut c, "a"), scans(&mut c, "b"));
+    load(&mut c, "feed_a", 1, 100);
+    load(&mut c, "feed_b", 1, 100);
+    assert_eq!((scans(&mut c, "a") - a, scans(&mut c, "b") - b), (0, 0), "repeats within the cap: no index scan");
+    load(&mut c, "feed_a", HALF - 99, HALF);
+    assert_eq!(scans(&mut c, "a") - a, 0, "the first inbox's last keys are within the cap");
+    load(&mut c, "feed_b", HALF - 99, HALF);
+    assert_eq!(scans(&mut c, "b") - b, 100, "the last 100 keys of the two loads are past the cap: one scan each");
+    c.batch_execute("COMMIT").unwrap();
+    assert_eq!((count(&mut c, "feed_a"), count(&mut c, "feed_b")), (HALF, HALF), "every key once");
 }
 
 #[test]
