@@ -73,9 +73,9 @@ fn mark_many_of_a_million_ids_stays_within_three_times_the_hand_written_memory()
 }
 
 /// A transaction remembers where it wrote each id, so that a repeat in the same load is read there instead of
-/// through the index, but at most 917,504 places for all inboxes together (src/direct/handle.rs, `MAX_PLACES`:
-/// one map of 18 MB): past that, repeats are found through the index, and the load goes on. Two attached tables,
-/// each half the cap and 50 keys more, fill it together: a cap per inbox would remember every key of both.
+/// through the index, but at most 917,504 places for all inboxes together (src/direct/handle.rs, `MAX_PLACES`):
+/// past that, repeats are found through the index, and the load goes on. Two attached tables, each half the cap
+/// and 50 keys more, fill it together: a cap per inbox would remember every key of both.
 #[test]
 fn a_transaction_remembers_where_it_wrote_at_most_917504_ids_for_all_inboxes_together() {
     const HALF: i64 = 917_504 / 2 + 50;

@@ -1,8 +1,8 @@
 //! Idempotency keys: `claim()` + `complete()` with a 1 kB result against what teams write by hand (an
-//! `idempotency_keys` table with the inbox's key, expiry, their two indexes and storage options: INSERT ... ON CONFLICT DO NOTHING
-//! RETURNING, then for a new key the UPDATE of the response, for a replay a SELECT ... FOR UPDATE), for
-//! new keys and for replays, at 1 and 8 clients, sync off, one request per transaction, with the ceiling of a new
-//! key's request (the same two statements' round trips, doing nothing). And what the claim columns
+//! `idempotency_keys` table with the inbox's key, expiry, their two indexes and storage options: INSERT ... ON
+//! CONFLICT DO NOTHING RETURNING, then for a new key the UPDATE of the response, for a replay a SELECT ... FOR
+//! UPDATE), for new keys and for replays, at 1 and 8 clients, sync off, one request per transaction, with the
+//! ceiling of a new key's request (the same two statements' round trips, doing nothing). And what the claim columns
 //! cost a plain mark: bytes and WAL per mark of an inbox (six columns, four NULL) against a table of pg_dedup
 //! 0.2.0's two-column row, filled by the same statement.
 

@@ -33,7 +33,8 @@ fn wal(r: &Row) -> String {
 /// The server's CPU per id of A and B, and their ratio (the row's rate ratio's counterpart, inverted: below 1, A
 /// costs the server less).
 fn cpu(r: &Row) -> String {
-    r.cpu.map_or(String::new(), |[a, b]| format!("{a:.1} / {b:.1} µs ({:.2}x)", a / b))
+    let ratio = |a: f64, b: f64| if b > 0.0 { format!(" ({:.2}x)", a / b) } else { String::new() };
+    r.cpu.map_or(String::new(), |[a, b]| format!("{a:.1} / {b:.1} µs{}", ratio(a, b)))
 }
 
 fn field<'a>(machine: &'a Machine, name: &str) -> &'a str {

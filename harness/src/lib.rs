@@ -182,15 +182,23 @@ impl Cluster {
 
     /// Starts the server (after `init` or `stop`) and waits until it accepts connections.
     pub fn pg_ctl_start(&self) {
-        check(self.try_pg_ctl_start(), "pg_ctl start");
+        check(self.try_pg_ctl_start(&[]), "pg_ctl start");
     }
 
-    fn try_pg_ctl_start(&self) -> Output {
+    /// `pg_ctl_start` with `env` added to the server's environment (e.g. the dynamic linker's `LD_DEBUG`).
+    pub fn pg_ctl_start_with_env(&self, env: &[(&str, &str)]) {
+        check(self.try_pg_ctl_start(env), "pg_ctl start");
+    }
+
+    fn try_pg_ctl_start(&self, env: &[(&str, &str)]) -> Output {
         let log = self.dir.join("server.log");
-        let out = self.run(
-            "pg_ctl",
-            &["-D", self.data_dir().to_str().unwrap(), "-l", log.to_str().unwrap(), "-w", "-t", "60", "start"],
-        );
+        let program = self.bindir.join("pg_ctl");
+        let out = self
+            .as_owner(&program)
+            .args(["-D", self.data_dir().to_str().unwrap(), "-l", log.to_str().unwrap(), "-w", "-t", "60", "start"])
+            .envs(env.iter().copied())
+            .output()
+            .unwrap_or_else(|e| panic!("run {}: {e}", program.display()));
         self.running.store(out.status.success(), Ordering::SeqCst);
         out
     }
@@ -202,7 +210,7 @@ impl Cluster {
         // Orphaned backends leave once they notice the postmaster is gone; until then the old shared memory is
         // in use and a new postmaster refuses to start.
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-        while !self.try_pg_ctl_start().status.success() {
+        while !self.try_pg_ctl_start(&[]).status.success() {
             assert!(std::time::Instant::now() < deadline, "the server did not start after the crash:\n{}", self.log());
             std::thread::sleep(std::time::Duration::from_millis(200));
         }

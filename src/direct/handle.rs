@@ -74,7 +74,9 @@ const MAX_HELD: usize = 16;
 
 /// Places the handles remember per transaction at most, all together (`Handle::written`): a COPY of more new keys
 /// than this into attached tables finds the repeats of the later ones through the index. 7/8 of 2^20, so that one
-/// map holding them all stays at 2^20 slots of 17 bytes: 18 MB (27 MB for a moment while it grows to that).
+/// map holding them all stays at 2^20 slots of 17 bytes: 18 MB (27 MB for a moment while it grows to that). Split
+/// over several inboxes' maps, each rounds its slots up to a power of two: up to 36 MB together (two maps of just
+/// over 2^19 places each), more for a moment while one grows.
 const MAX_PLACES: usize = 917_504;
 /// A map of remembered places that grew past this many is freed at the end of its transaction, not kept empty.
 const KEPT_PLACES: usize = 1024;
