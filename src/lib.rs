@@ -107,8 +107,9 @@ pub extern "C-unwind" fn _PG_init() {
 /// (`__cxa_thread_atexit_impl`), whose call of `_dl_find_dso_for_object` goes through a lazily bound entry of libc's:
 /// resolving it walks the symbol tables of every library the server has loaded, page-faulting on each (a forked
 /// backend maps none of their pages yet). perf of `pgbench -C`: 49 µs of a connection's first `mark()`, about 2% of
-/// a connection's wall-clock time (1.4% of its server CPU), where the raw insert pays nothing of the kind. Bound here, in the postmaster, the entry is
-/// inherited by every process it forks (tests/connections.rs watches the dynamic linker's log of a backend).
+/// a connection's wall-clock time (1.4% of its server CPU), where the raw insert pays nothing of the kind. Bound
+/// here, in the postmaster, the entry is inherited by every process it forks (tests/connections.rs watches the
+/// dynamic linker's log of a backend).
 fn register_a_thread_local_destructor() {
     thread_local! {
         static WITH_A_DESTRUCTOR: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };

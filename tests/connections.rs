@@ -23,8 +23,7 @@ fn a_new_connection_does_not_bind_what_the_postmaster_bound_for_it() {
     let pid = backend_pid(&mut c);
     c.batch_execute("SELECT dedup.mark('first')").unwrap();
     drop(c);
-    let postmaster = std::fs::read_to_string(cluster.data_dir().join("postmaster.pid")).unwrap();
-    let postmaster: i32 = postmaster.lines().next().unwrap().trim().parse().unwrap();
+    let postmaster = cluster.postmaster_pid();
     let bound_by = |pid: i32| -> Vec<String> {
         let prefix = format!("{pid}:");
         let mut lines = Vec::new();

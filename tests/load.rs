@@ -185,8 +185,7 @@ fn sample(c: &mut Client, cluster: &Cluster, secs: f64) -> Sample {
             &[],
         )
         .unwrap();
-    let postmaster = std::fs::read_to_string(cluster.data_dir().join("postmaster.pid")).unwrap();
-    let mut processes = vec![(postmaster.lines().next().unwrap().trim().parse().unwrap(), "postmaster".to_owned())];
+    let mut processes = vec![(cluster.postmaster_pid(), "postmaster".to_owned())];
     processes.extend(
         c.query("SELECT pid, backend_type FROM pg_stat_activity", &[]).unwrap().iter().map(|r| (r.get(0), r.get(1))),
     );

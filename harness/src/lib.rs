@@ -123,8 +123,15 @@ impl Cluster {
     /// (`postgres` when we are root, ourselves otherwise), in the cluster's directory: pg_upgrade writes its
     /// sockets, logs and scripts into its working directory, which must belong to that user.
     pub fn run(&self, program: &str, args: &[&str]) -> Output {
+        self.run_with_env(program, args, &[])
+    }
+
+    /// `run` with `env` added to the program's environment.
+    fn run_with_env(&self, program: &str, args: &[&str], env: &[(&str, &str)]) -> Output {
         let program = self.bindir.join(program);
-        self.as_owner(&program).args(args).output().unwrap_or_else(|e| panic!("run {}: {e}", program.display()))
+        let mut command = self.as_owner(&program);
+        command.args(args).envs(env.iter().copied());
+        command.output().unwrap_or_else(|e| panic!("run {}: {e}", program.display()))
     }
 
     /// A command running `program` (any path, e.g. valgrind) as the server's owner, in the cluster's directory.
@@ -192,13 +199,11 @@ impl Cluster {
 
     fn try_pg_ctl_start(&self, env: &[(&str, &str)]) -> Output {
         let log = self.dir.join("server.log");
-        let program = self.bindir.join("pg_ctl");
-        let out = self
-            .as_owner(&program)
-            .args(["-D", self.data_dir().to_str().unwrap(), "-l", log.to_str().unwrap(), "-w", "-t", "60", "start"])
-            .envs(env.iter().copied())
-            .output()
-            .unwrap_or_else(|e| panic!("run {}: {e}", program.display()));
+        let out = self.run_with_env(
+            "pg_ctl",
+            &["-D", self.data_dir().to_str().unwrap(), "-l", log.to_str().unwrap(), "-w", "-t", "60", "start"],
+            env,
+        );
         self.running.store(out.status.success(), Ordering::SeqCst);
         out
     }
@@ -218,11 +223,16 @@ impl Cluster {
 
     /// Kills the postmaster with SIGKILL and leaves the server down (a primary lost for good, as in a failover).
     pub fn kill_postmaster(&self) {
-        let pid_file = std::fs::read_to_string(self.data_dir().join("postmaster.pid")).expect("postmaster.pid");
-        let pid = pid_file.lines().next().expect("a pid").trim().to_owned();
+        let pid = self.postmaster_pid().to_string();
         let killed = Command::new("kill").args(["-9", &pid]).status().expect("run kill");
         assert!(killed.success(), "kill -9 {pid} failed");
         self.running.store(false, Ordering::SeqCst);
+    }
+
+    /// The running postmaster's pid (the first line of postmaster.pid).
+    pub fn postmaster_pid(&self) -> i32 {
+        let pid_file = std::fs::read_to_string(self.data_dir().join("postmaster.pid")).expect("postmaster.pid");
+        pid_file.lines().next().and_then(|l| l.trim().parse().ok()).expect("a pid in postmaster.pid")
     }
 
     /// The cluster's own directory: its unix socket (the `host` to connect to) and its data directory live here.
