@@ -32,6 +32,7 @@ pub fn scenarios(c: &mut Client, pgbench: &Pgbench, scale: &Scale) -> Vec<Row> {
             secs: scale.run_secs,
             rounds: scale.rounds,
             connect_per_tx: false,
+            one_cpu: false,
         };
         let m = compare(c, pgbench, &setting, &sides);
         let at = setting.label();

@@ -74,6 +74,7 @@ pub fn scenarios(scale: &Scale) -> Vec<Row> {
             secs: scale.run_secs,
             rounds: scale.rounds,
             connect_per_tx: false,
+            one_cpu: false,
         };
         let mut sides: Vec<Side> = [ours_tx.clone(), hand_tx.clone(), ours.clone(), hand.clone(), one_node.clone()]
             .map(|script| Side::Sql { script, ids: 1 })

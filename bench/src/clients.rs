@@ -93,7 +93,14 @@ struct Bench<'a> {
 
 impl Bench<'_> {
     fn setting(&self, clients: u32, commit: Commit) -> Setting {
-        Setting { clients, commit, secs: self.scale.run_secs, rounds: self.scale.rounds, connect_per_tx: false }
+        Setting {
+            clients,
+            commit,
+            secs: self.scale.run_secs,
+            rounds: self.scale.rounds,
+            connect_per_tx: false,
+            one_cpu: false,
+        }
     }
 
     /// A side running one id per transaction, `statement` with `duplicates`% duplicate ids.
@@ -151,6 +158,7 @@ pub fn scenarios(c: &mut Client, pgbench: &Pgbench, cluster_dir: &Path, scale: &
     rows.extend(duplicates);
     rows.extend(batches(&mut b));
     rows.extend(expert(&mut b));
+    rows.extend(one_cpu(&mut b));
     rows.push(wal_new);
     rows.extend(wal_duplicate);
     rows
@@ -351,4 +359,41 @@ fn expert(b: &mut Bench) -> Vec<Row> {
         }
     }
     rows
+}
+
+/// (e) The one-client rows of (a), (b) and (d) again with pgbench and the server on one CPU (`crate::pin`): what a
+/// transaction costs them there, without the wake-ups of another CPU that make most of an unpinned round trip on
+/// this machine (the ceiling row shows how much: `SELECT 1` here against the unpinned one above). Same goals.
+fn one_cpu(b: &mut Bench) -> Vec<Row> {
+    let sides = [
+        b.one_id("mark_new", &mark_sql("default"), 0),
+        b.one_id("raw_new", &raw_sql("bench_raw"), 0),
+        Side::Sql { script: b.pgbench.script("select_1", "SELECT 1;\n"), ids: 1 },
+        b.one_id("mark_dup100", &mark_sql("default"), 100),
+        b.one_id("raw_dup100", &raw_sql("bench_raw"), 100),
+        b.one_id("mark_new_twin", &mark_sql(EXPERT_TWIN), 0),
+        b.one_id("expert_new", &raw_sql(EXPERT), 0),
+    ];
+    let setting = Setting { one_cpu: true, ..b.setting(1, Commit::Async) };
+    let m = compare(b.c, b.pgbench, &setting, &sides);
+    let at = setting.label();
+    vec![
+        row(format!("mark() of a new id per tx, {at}"), ("mark", &m[0]), ("raw insert", &m[1]), "tx/s")
+            .goal(SINGLE_GOAL),
+        row(
+            format!("ceiling: SELECT 1 per tx vs raw insert, {at}"),
+            ("SELECT 1", &m[2]),
+            ("raw insert", &m[1]),
+            "tx/s",
+        ),
+        row(format!("mark(), 100% duplicates, {at}"), ("mark", &m[3]), ("raw insert", &m[4]), "tx/s")
+            .goal(DUPLICATE_GOAL),
+        row(
+            format!("mark() of a new id per tx vs a two-column table, {at}"),
+            ("mark", &m[5]),
+            ("raw insert", &m[6]),
+            "tx/s",
+        )
+        .goal(Goal::AtLeast(1.0)),
+    ]
 }

@@ -29,13 +29,19 @@ pub struct Setting {
     pub rounds: usize,
     /// A new connection for every transaction (`pgbench -C`): what connect-per-request applications pay.
     pub connect_per_tx: bool,
+    /// pgbench and every server process on one CPU (`crate::pin`): the server's work per round trip without this
+    /// machine's wake-ups of another CPU.
+    pub one_cpu: bool,
 }
 
 impl Setting {
-    /// "1 client, sync off", as rows name it (", a connection per tx" when each transaction connects).
+    /// "1 client, sync off", as rows name it (", a connection per tx" when each transaction connects, ", client
+    /// and server on one CPU" when pinned).
     pub fn label(&self) -> String {
         let connect = if self.connect_per_tx { ", a connection per tx" } else { "" };
-        format!("{} client{}, {}{connect}", self.clients, if self.clients == 1 { "" } else { "s" }, self.commit.label())
+        let pinned = if self.one_cpu { ", client and server on one CPU" } else { "" };
+        let clients = format!("{} client{}", self.clients, if self.clients == 1 { "" } else { "s" });
+        format!("{clients}, {}{connect}{pinned}", self.commit.label())
     }
 }
 

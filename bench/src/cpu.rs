@@ -44,6 +44,11 @@ fn scan() -> (Reading, bool) {
     (reading, vanished)
 }
 
+/// The pids of every `postgres` process now.
+pub fn postgres_pids() -> Vec<u32> {
+    scan().0.pids
+}
+
 /// Every `postgres` process's CPU ticks (own and reaped children's), from a pass over /proc during which no process
 /// ended: one reaped between the reading of its parent and its own would count for nothing (parent first; it
 /// happened, a round read 2.0 µs a duplicate instead of 32) or twice (itself first). A pass is taken when none of

@@ -50,6 +50,7 @@ pub fn scenarios(c: &mut Client, pgbench: &Pgbench, scale: &Scale) -> (Vec<Row>,
         secs: scale.run_secs,
         rounds: scale.rounds,
         connect_per_tx: false,
+        one_cpu: false,
     };
     // Rows in each table: the fill's plus the measurements' (all new ids).
     let mut filled = [0i64; 2];

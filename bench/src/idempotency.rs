@@ -81,13 +81,15 @@ pub fn scenarios(c: &mut Client, pgbench: &Pgbench, scale: &Scale) -> Vec<Row> {
         &transaction(["SELECT ('new-' || :r) IS NOT NULL".to_owned(), "SELECT ('new-' || :r) IS NOT NULL".to_owned()]),
     );
     let mut rows = Vec::new();
-    for clients in [1, 8] {
+    // One client again with pgbench and the server on one CPU (`crate::pin`; the clients section says why).
+    for (clients, one_cpu) in [(1, false), (8, false), (1, true)] {
         let setting = crate::compare::Setting {
             clients,
             commit: Commit::Async,
             secs: scale.run_secs,
             rounds: scale.rounds,
             connect_per_tx: false,
+            one_cpu,
         };
         let sides = [
             Side::Sql { script: ours_new.clone(), ids: 1 },
@@ -123,7 +125,7 @@ pub fn scenarios(c: &mut Client, pgbench: &Pgbench, scale: &Scale) -> Vec<Row> {
             )
             .goal(Goal::AtLeast(1.3)),
         );
-        if clients == 1 {
+        if clients == 1 && !one_cpu {
             // A replay writes nothing (the hand-written one locks the row, which writes WAL).
             let (a, b) = (m[2].wal_per_id.unwrap(), m[3].wal_per_id.unwrap());
             rows.push(Row::new("WAL per replay", ("claim", a), ("hand-written", b), "B/id").goal(Goal::AtMost(0.01)));

@@ -23,6 +23,7 @@ mod ingest;
 mod instructions;
 mod machine;
 mod pgbench;
+mod pin;
 mod redis;
 mod report;
 mod restart;

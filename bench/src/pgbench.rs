@@ -5,6 +5,7 @@
 //! never pays; pgbench (C, prepared statements) keeps the client's own cost out of the comparison.
 
 use crate::compare::Setting;
+use crate::pin::OneCpu;
 use pg_dedup_harness::postgres::Client;
 use pg_dedup_harness::Cluster;
 use std::path::{Path, PathBuf};
@@ -71,13 +72,15 @@ impl Pgbench {
     /// not). `c` is a separate connection, used only to read the WAL position before and after.
     pub fn run(&self, c: &mut Client, script: &Path, setting: &Setting) -> Run {
         let before: String = c.query_one("SELECT pg_current_wal_insert_lsn()::text", &[]).unwrap().get(0);
-        let mut command = self.command(script, setting.clients, setting.commit, setting.secs);
+        let pin = setting.one_cpu.then(crate::pin::OneCpu::pin);
+        let mut command = self.command(script, setting.clients, setting.commit, setting.secs, pin.as_ref());
         if setting.connect_per_tx {
             command.arg("-C");
         }
         let cpu = crate::cpu::read();
         let out = command.arg(&self.db).output();
         let cpu = crate::cpu::since(&cpu);
+        drop(pin);
         let wal: f64 = c
             .query_one("SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), $1::text::pg_lsn)::float8", &[&before])
             .unwrap()
@@ -93,7 +96,7 @@ impl Pgbench {
         let name = format!("log{}", RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
         let prefix = self.scripts.join(&name);
         let out = self
-            .command(script, clients, Commit::Async, secs)
+            .command(script, clients, Commit::Async, secs, None)
             .arg("--log")
             .arg("--log-prefix")
             .arg(&prefix)
@@ -118,11 +121,11 @@ impl Pgbench {
         txns
     }
 
-    /// pgbench with its options: `clients` connections (two threads when there are several) for `secs` seconds;
-    /// the database goes last.
-    fn command(&self, script: &Path, clients: u32, commit: Commit, secs: u32) -> Command {
+    /// pgbench with its options: `clients` connections (two threads when there are several) for `secs` seconds,
+    /// on the pinned CPU if `pin`; the database goes last.
+    fn command(&self, script: &Path, clients: u32, commit: Commit, secs: u32, pin: Option<&OneCpu>) -> Command {
         let sync = if commit == Commit::Sync { "on" } else { "off" };
-        let mut command = Command::new(&self.bin);
+        let mut command = pin.map_or_else(|| Command::new(&self.bin), |pin| pin.command(&self.bin));
         command
             .env("PGOPTIONS", format!("-c synchronous_commit={sync}"))
             .arg("-h")
