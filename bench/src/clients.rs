@@ -2,7 +2,8 @@
 //! against the hand-written SQL on an identical table (`bench_raw`), at the same client counts and
 //! synchronous_commit, alternating; new ids also against the two-column table an expert writes, on long-lived
 //! connections and with a connection per transaction. Around them: the ceiling (a transaction doing nothing but `SELECT 1`), the
-//! disk's flush rate (pg_test_fsync) and Redis `SET NX EX` at matching durability.
+//! disk's flush rate (pg_test_fsync) and Redis `SET NX EX` at matching durability. And the one-client rows again
+//! with pgbench and the server on one CPU (`crate::pin`), without this machine's cross-CPU wake-ups.
 
 use crate::compare::{compare, Measured, Setting, Side};
 use crate::pgbench::{Commit, Pgbench};
@@ -343,7 +344,7 @@ fn expert(b: &mut Bench) -> Vec<Row> {
     let (mark, raw) = (mark_sql(EXPERT_TWIN), raw_sql(EXPERT));
     let mut rows = Vec::new();
     for connect_per_tx in [false, true] {
-        let mut sides = vec![b.one_id("mark_new", &mark, 0), b.one_id("expert_new", &raw, 0)];
+        let mut sides = vec![b.one_id("mark_new_twin", &mark, 0), b.one_id("expert_new", &raw, 0)];
         if connect_per_tx {
             sides.push(Side::Sql { script: b.pgbench.script("select_1", "SELECT 1;\n"), ids: 1 });
         }
@@ -363,7 +364,8 @@ fn expert(b: &mut Bench) -> Vec<Row> {
 
 /// (e) The one-client rows of (a), (b) and (d) again with pgbench and the server on one CPU (`crate::pin`): what a
 /// transaction costs them there, without the wake-ups of another CPU that make most of an unpinned round trip on
-/// this machine (the ceiling row shows how much: `SELECT 1` here against the unpinned one above). Same goals.
+/// this machine (the ceiling row shows how much: `SELECT 1` here against the unpinned one above). Diagnostic: no
+/// deployment runs that way, so no goals.
 fn one_cpu(b: &mut Bench) -> Vec<Row> {
     let sides = [
         b.one_id("mark_new", &mark_sql("default"), 0),
@@ -377,23 +379,16 @@ fn one_cpu(b: &mut Bench) -> Vec<Row> {
     let setting = Setting { one_cpu: true, ..b.setting(1, Commit::Async) };
     let m = compare(b.c, b.pgbench, &setting, &sides);
     let at = setting.label();
+    let raw = ("raw insert", &m[1]);
     vec![
-        row(format!("mark() of a new id per tx, {at}"), ("mark", &m[0]), ("raw insert", &m[1]), "tx/s")
-            .goal(SINGLE_GOAL),
-        row(
-            format!("ceiling: SELECT 1 per tx vs raw insert, {at}"),
-            ("SELECT 1", &m[2]),
-            ("raw insert", &m[1]),
-            "tx/s",
-        ),
-        row(format!("mark(), 100% duplicates, {at}"), ("mark", &m[3]), ("raw insert", &m[4]), "tx/s")
-            .goal(DUPLICATE_GOAL),
+        row(format!("mark() of a new id per tx, {at}"), ("mark", &m[0]), raw, "tx/s"),
+        row(format!("ceiling: SELECT 1 per tx vs raw insert, {at}"), ("SELECT 1", &m[2]), raw, "tx/s"),
+        row(format!("mark(), 100% duplicates, {at}"), ("mark", &m[3]), ("raw insert", &m[4]), "tx/s"),
         row(
             format!("mark() of a new id per tx vs a two-column table, {at}"),
             ("mark", &m[5]),
             ("raw insert", &m[6]),
             "tx/s",
-        )
-        .goal(Goal::AtLeast(1.0)),
+        ),
     ]
 }

@@ -80,6 +80,8 @@ fn sample(c: &mut Client, pgbench: &Pgbench, setting: &Setting, side: &Side) -> 
                 ids: run.transactions * ids as u64,
             }
         }
+        // Pinning applies to pgbench sides only: a pinned row with another side would be labelled wrongly.
+        Side::Redis(_) | Side::Fsync(_) if setting.one_cpu => panic!("{} cannot run on one CPU", side.name()),
         Side::Redis(redis) => Sample {
             rate: redis.set_nx_rate(setting.clients, setting.secs),
             wal_per_id: None,
