@@ -40,6 +40,9 @@ pub struct Run {
 pub struct Pgbench {
     bin: PathBuf,
     host: PathBuf,
+    /// The server's postmaster, for pinned runs (`crate::pin`; read here, so a pinned run after a restart of the
+    /// cluster is refused there).
+    postmaster: u32,
     db: String,
     /// Where the scripts are written (removed on drop).
     scripts: PathBuf,
@@ -56,6 +59,7 @@ impl Pgbench {
         Pgbench {
             bin: pg_dedup_harness::bindir().join("pgbench"),
             host: cluster.socket_dir().to_owned(),
+            postmaster: cluster.postmaster_pid() as u32,
             db: db.into(),
             scripts,
         }
@@ -72,7 +76,8 @@ impl Pgbench {
     /// not). `c` is a separate connection, used only to read the WAL position before and after.
     pub fn run(&self, c: &mut Client, script: &Path, setting: &Setting) -> Run {
         let before: String = c.query_one("SELECT pg_current_wal_insert_lsn()::text", &[]).unwrap().get(0);
-        let pin = setting.one_cpu.then(crate::pin::OneCpu::pin);
+        crate::pin::check_restored();
+        let pin = setting.one_cpu.then(|| OneCpu::pin(self.postmaster));
         let mut command = self.command(script, setting.clients, setting.commit, setting.secs, pin.as_ref());
         if setting.connect_per_tx {
             command.arg("-C");

@@ -6,15 +6,26 @@
 //! deployment runs that way (the client, the backend and every background process share one core), so these rows
 //! carry no goals: the unpinned rows stay the measure.
 //!
-//! Every `postgres` process is pinned, postmasters first (the backends they start inherit it, so the run's backend
-//! starts pinned), pgbench runs under `taskset` on the same CPU, and each process gets back its own CPUs afterwards.
+//! The bench cluster's postmaster is pinned first (the backends it starts inherit it, so the run's backend starts
+//! pinned), then its other processes; pgbench runs under `taskset` on the same CPU, and each process gets back its
+//! own CPUs afterwards. Other servers on the machine are left alone.
 
 use std::collections::HashMap;
 use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
 
-/// While alive, every `postgres` process runs on `cpu` only; dropping it gives each the CPUs it had.
+/// Set when a restore failed: every later run would be partly pinned, so `Pgbench::run` refuses to go on.
+static RESTORE_FAILED: AtomicBool = AtomicBool::new(false);
+
+/// Panics if an earlier pinned run could not give the server its CPUs back.
+pub fn check_restored() {
+    assert!(!RESTORE_FAILED.load(Ordering::Relaxed), "the server's processes are still pinned (see above)");
+}
+
+/// While alive, the cluster's processes run on `cpu` only; dropping it gives each the CPUs it had.
 pub struct OneCpu {
     pub cpu: u32,
+    postmaster: u32,
     /// Each process's `Cpus_allowed_list` before, by pid.
     before: HashMap<u32, String>,
     /// What a process started since gets back when its parent was not there before either: the bench's own CPUs.
@@ -22,7 +33,8 @@ pub struct OneCpu {
 }
 
 impl OneCpu {
-    pub fn pin() -> OneCpu {
+    /// Pins the cluster whose postmaster is `postmaster`.
+    pub fn pin(postmaster: u32) -> OneCpu {
         let fallback = cpus_allowed(std::process::id()).expect("read /proc/self/status");
         // "0-1", "0,2-3": the first CPU listed.
         let cpu: u32 = fallback
@@ -30,11 +42,14 @@ impl OneCpu {
             .next()
             .and_then(|first| first.parse().ok())
             .unwrap_or_else(|| panic!("no CPU in Cpus_allowed_list {fallback:?}"));
-        let before = processes().into_iter().filter_map(|p| Some((p.pid, cpus_allowed(p.pid)?))).collect();
+        let before: HashMap<u32, String> =
+            processes(postmaster).into_iter().filter_map(|p| Some((p.pid, cpus_allowed(p.pid)?))).collect();
+        // A postmaster that is gone (a cluster restarted since its pid was read) would pin nothing, silently.
+        assert!(before.contains_key(&postmaster), "postmaster {postmaster} is not running: nothing to pin");
         // Built before pinning, so that a failure half-way restores what was pinned.
-        let pinned = OneCpu { cpu, before, fallback };
+        let pinned = OneCpu { cpu, postmaster, before, fallback };
         let target = cpu.to_string();
-        if let Err(why) = apply(|_| target.clone()) {
+        if let Err(why) = apply(postmaster, |_| target.clone()) {
             panic!("could not put the server's processes on CPU {cpu}: {why}");
         }
         pinned
@@ -50,13 +65,15 @@ impl OneCpu {
 
 impl Drop for OneCpu {
     fn drop(&mut self) {
-        let restored = apply(|p| {
+        let restored = apply(self.postmaster, |p| {
             let had = self.before.get(&p.pid).or_else(|| self.before.get(&p.parent));
             had.unwrap_or(&self.fallback).clone()
         });
         // Not a panic: this may run while one unwinds, and a second panic would abort before the clusters stop.
+        // The next run refuses to start instead (`check_restored`).
         if let Err(why) = restored {
             eprintln!("[bench] could not give the server's processes back their CPUs: {why}");
+            RESTORE_FAILED.store(true, Ordering::Relaxed);
         }
     }
 }
@@ -66,15 +83,14 @@ struct Process {
     parent: u32,
 }
 
-/// Puts every thread of every `postgres` process on the CPUs `target` says, postmasters first (a child forked
+/// Puts every thread of the cluster's processes on the CPUs `target` says, the postmaster first (a child forked
 /// meanwhile inherits the new setting), and checks that it took, scanning again for processes started meanwhile:
 /// pinning a process of another user needs root or CAP_SYS_NICE, and a row measured unpinned must not be reported
 /// as pinned. A process that ended meanwhile is no matter.
-fn apply(target: impl Fn(&Process) -> String) -> Result<(), String> {
+fn apply(postmaster: u32, target: impl Fn(&Process) -> String) -> Result<(), String> {
     for _ in 0..10 {
-        let mut processes = processes();
-        let pids: Vec<u32> = processes.iter().map(|p| p.pid).collect();
-        processes.sort_by_key(|p| pids.contains(&p.parent));
+        let mut processes = processes(postmaster);
+        processes.sort_by_key(|p| p.pid != postmaster);
         let mut all_set = true;
         for p in &processes {
             let want = target(p);
@@ -99,8 +115,8 @@ fn apply(target: impl Fn(&Process) -> String) -> Result<(), String> {
     Err("processes kept starting on other CPUs".into())
 }
 
-/// Every `postgres` process, with its parent.
-fn processes() -> Vec<Process> {
+/// The postmaster `postmaster` and its children, each with its parent.
+fn processes(postmaster: u32) -> Vec<Process> {
     crate::cpu::postgres_pids()
         .into_iter()
         .filter_map(|pid| {
@@ -109,6 +125,7 @@ fn processes() -> Vec<Process> {
             let parent = stat[stat.rfind(')')? + 1..].split_whitespace().nth(1)?.parse().ok()?;
             Some(Process { pid, parent })
         })
+        .filter(|p| p.pid == postmaster || p.parent == postmaster)
         .collect()
 }
 
