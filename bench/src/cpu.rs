@@ -18,12 +18,19 @@ const TICKS_PER_SECOND: f64 = 100.0;
 /// A reading: the summed CPU ticks, and which `postgres` processes there were.
 pub struct Reading {
     ticks: u64,
-    pids: Vec<u32>,
+    processes: Vec<Process>,
+}
+
+/// A `postgres` process, with its parent (`crate::pin` tells a cluster's processes by their postmaster).
+#[derive(PartialEq)]
+pub struct Process {
+    pub pid: u32,
+    pub parent: u32,
 }
 
 /// One pass over /proc, and whether a process it listed was gone before its stat could be read.
 fn scan() -> (Reading, bool) {
-    let mut reading = Reading { ticks: 0, pids: Vec::new() };
+    let mut reading = Reading { ticks: 0, processes: Vec::new() };
     let mut vanished = false;
     for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
         let Some(pid) = entry.file_name().to_str().and_then(|name| name.parse::<u32>().ok()) else { continue };
@@ -36,17 +43,17 @@ fn scan() -> (Reading, bool) {
         if &stat[open + 1..close] != "postgres" {
             continue;
         }
-        // After ')': state (field 3 of stat) first; utime, stime, cutime, cstime are fields 14 to 17.
+        // After ')': state (field 3 of stat) first, then ppid; utime, stime, cutime, cstime are fields 14 to 17.
         let fields: Vec<&str> = stat[close + 1..].split_whitespace().collect();
         reading.ticks += fields[11..15].iter().map(|f| f.parse::<u64>().unwrap_or(0)).sum::<u64>();
-        reading.pids.push(pid);
+        reading.processes.push(Process { pid, parent: fields[1].parse().unwrap_or(0) });
     }
     (reading, vanished)
 }
 
-/// The pids of every `postgres` process now.
-pub fn postgres_pids() -> Vec<u32> {
-    scan().0.pids
+/// Every `postgres` process now.
+pub fn postgres_processes() -> Vec<Process> {
+    scan().0.processes
 }
 
 /// Every `postgres` process's CPU ticks (own and reaped children's), from a pass over /proc during which no process
@@ -57,7 +64,7 @@ pub fn read() -> Reading {
     let (mut this, mut vanished) = scan();
     for _ in 0..100 {
         let (next, next_vanished) = scan();
-        if !vanished && next.pids == this.pids {
+        if !vanished && next.processes == this.processes {
             break;
         }
         (this, vanished) = (next, next_vanished);
@@ -72,7 +79,7 @@ pub fn read() -> Reading {
 pub fn since(before: &Reading) -> f64 {
     let deadline = Instant::now() + Duration::from_secs(1);
     let mut now = read();
-    while now.pids.iter().any(|pid| !before.pids.contains(pid)) && Instant::now() < deadline {
+    while now.processes.iter().any(|p| !before.processes.contains(p)) && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(10));
         now = read();
     }

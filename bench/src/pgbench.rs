@@ -76,7 +76,6 @@ impl Pgbench {
     /// not). `c` is a separate connection, used only to read the WAL position before and after.
     pub fn run(&self, c: &mut Client, script: &Path, setting: &Setting) -> Run {
         let before: String = c.query_one("SELECT pg_current_wal_insert_lsn()::text", &[]).unwrap().get(0);
-        crate::pin::check_restored();
         let pin = setting.one_cpu.then(|| OneCpu::pin(self.postmaster));
         let mut command = self.command(script, setting.clients, setting.commit, setting.secs, pin.as_ref());
         if setting.connect_per_tx {
@@ -129,6 +128,7 @@ impl Pgbench {
     /// pgbench with its options: `clients` connections (two threads when there are several) for `secs` seconds,
     /// on the pinned CPU if `pin`; the database goes last.
     fn command(&self, script: &Path, clients: u32, commit: Commit, secs: u32, pin: Option<&OneCpu>) -> Command {
+        crate::pin::check_restored();
         let sync = if commit == Commit::Sync { "on" } else { "off" };
         let mut command = pin.map_or_else(|| Command::new(&self.bin), |pin| pin.command(&self.bin));
         command

@@ -10,14 +10,15 @@
 //! pinned), then its other processes; pgbench runs under `taskset` on the same CPU, and each process gets back its
 //! own CPUs afterwards. Other servers on the machine are left alone.
 
+use crate::cpu::Process;
 use std::collections::HashMap;
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-/// Set when a restore failed: every later run would be partly pinned, so `Pgbench::run` refuses to go on.
+/// Set when a restore failed: every later run would be partly pinned, so no pgbench starts (`check_restored`).
 static RESTORE_FAILED: AtomicBool = AtomicBool::new(false);
 
-/// Panics if an earlier pinned run could not give the server its CPUs back.
+/// Panics if an earlier pinned run could not give the server its CPUs back (before any pgbench run).
 pub fn check_restored() {
     assert!(!RESTORE_FAILED.load(Ordering::Relaxed), "the server's processes are still pinned (see above)");
 }
@@ -78,11 +79,6 @@ impl Drop for OneCpu {
     }
 }
 
-struct Process {
-    pid: u32,
-    parent: u32,
-}
-
 /// Puts every thread of the cluster's processes on the CPUs `target` says, the postmaster first (a child forked
 /// meanwhile inherits the new setting), and checks that it took, scanning again for processes started meanwhile:
 /// pinning a process of another user needs root or CAP_SYS_NICE, and a row measured unpinned must not be reported
@@ -115,18 +111,11 @@ fn apply(postmaster: u32, target: impl Fn(&Process) -> String) -> Result<(), Str
     Err("processes kept starting on other CPUs".into())
 }
 
-/// The postmaster `postmaster` and its children, each with its parent.
+/// The postmaster `postmaster` and its children.
 fn processes(postmaster: u32) -> Vec<Process> {
-    crate::cpu::postgres_pids()
-        .into_iter()
-        .filter_map(|pid| {
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-            // "pid (comm) state ppid ...": the parent is the second field after the name's ')'.
-            let parent = stat[stat.rfind(')')? + 1..].split_whitespace().nth(1)?.parse().ok()?;
-            Some(Process { pid, parent })
-        })
-        .filter(|p| p.pid == postmaster || p.parent == postmaster)
-        .collect()
+    let mut processes = crate::cpu::postgres_processes();
+    processes.retain(|p| p.pid == postmaster || p.parent == postmaster);
+    processes
 }
 
 /// A process's `Cpus_allowed_list` ("0-1", as the kernel writes lists, and so as a restore gives it back), or None
