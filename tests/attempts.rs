@@ -2,7 +2,8 @@
 //! killed mid-transaction and a clean restart; that a crash can only make lower, never higher; handed out 1..N
 //! exactly by eight racing sessions; reset by forget() (when it commits), by their window passing, and purged; the
 //! privileges of the view; a standby; a full store; the Bloom filter in front of the durable table (which lets an
-//! attempt at a new id skip reading it) missing no row, however it was written.
+//! attempt at a new id skip reading it) missing no row, however it was written; an idle store costing the worker no
+//! pass over its slots.
 
 use pg_dedup_harness::postgres::Client;
 use pg_dedup_tests::*;
@@ -137,6 +138,11 @@ fn a_count_lapses_after_the_inboxs_ttl_and_is_purged() {
     eventually("the worker purges the lapsed count", || {
         c.query_one("SELECT count(*) FROM dedup.attempt_counts WHERE inbox = 'short'", &[]).unwrap().get::<_, i64>(0)
             == 0
+    });
+    // And sweeps it from shared memory, although no count changed since it last wrote one.
+    eventually("the lapsed count leaves shared memory", || {
+        let in_memory = "SELECT count(*) FROM dedup.attempts_in_memory() WHERE inbox = 'short'";
+        c.query_one(in_memory, &[]).unwrap().get::<_, i64>(0) == 0
     });
 }
 
@@ -343,6 +349,37 @@ fn a_database_that_drops_the_extension_gives_its_slots_back() {
         other.query_one("SELECT dedup.attempt('probe')", &[]).is_ok()
             && (0..15).all(|i| other.query_one("SELECT dedup.attempt($1)", &[&format!("o{i}")]).is_ok())
     });
+    cluster.destroy();
+}
+
+#[test]
+fn an_idle_store_costs_the_worker_no_pass_over_its_slots() {
+    // A million slots (about 190 MB) and a round every 100 ms: a pass over every slot takes tens of milliseconds, so
+    // a worker that passed over them at each round (twice: for dirty counts, for lapsed ones) would spend a quarter
+    // of its time or more on an idle store. It passes only when a count changed or one may have lapsed.
+    let cluster = preloaded(
+        "att_idle",
+        &["dedup.attempts_max = 1000000", "dedup.attempts_flush_interval = '100ms'", "dedup.purge = off"],
+    );
+    let mut c = cluster.fresh_db("att_idle");
+    wait_for_worker(&mut c);
+    assert_eq!(attempt(&mut c, "a"), 1);
+    eventually("the count is durable", || durable(&mut c, "a") == 1);
+    let pid: i32 = c.query_one("SELECT worker_pid FROM dedup.stats LIMIT 1", &[]).unwrap().get(0);
+    // User and system time of the worker, in clock ticks (/proc/<pid>/stat, fields 14 and 15).
+    let ticks = || -> u64 {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("the worker's stat");
+        let fields: Vec<&str> = stat.rsplit_once(')').expect("comm").1.split_whitespace().collect();
+        fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap()
+    };
+    let hz = 100; // USER_HZ on Linux
+    let (before, at) = (ticks(), Instant::now());
+    std::thread::sleep(Duration::from_secs(3));
+    let busy = (ticks() - before) as f64 / hz as f64 / at.elapsed().as_secs_f64();
+    assert!(busy < 0.05, "the idle worker was busy {:.1}% of the time", busy * 100.0);
+    // It still writes what changes.
+    assert_eq!(attempt(&mut c, "a"), 2);
+    eventually("the new count is durable", || durable(&mut c, "a") == 2);
     cluster.destroy();
 }
 

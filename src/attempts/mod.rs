@@ -301,15 +301,27 @@ pub fn purge_batch(inbox: &Inbox, now: TimestampWithTimeZone, limit: i64) -> i64
 }
 
 /// The worker's round: writes the counts of this database that changed since it last wrote them, in a transaction of
-/// its own (as the worker, a superuser), then lets their slots serve other ids.
+/// its own (as the worker, a superuser), then lets their slots serve other ids. While no count changed since a round
+/// that left none of this database dirty, there is nothing to write: only lapsed counts to sweep, when some are due.
 pub fn make_durable() {
     thread_local! {
         /// When a failed round was last logged: a round that keeps failing is logged once a minute, not every time.
         static LOGGED: Cell<Option<std::time::Instant>> = const { Cell::new(None) };
+        /// `Store::changes` as it was before the last round that left no count of this database dirty.
+        static CLEAN_AS_OF: Cell<Option<u64>> = const { Cell::new(None) };
     }
-    match xact::try_transaction(write_changed) {
-        Ok(written) => {
-            mark_written(&written);
+    let Some(store) = shmem::region().map(|r| r.attempts()) else { return };
+    let changes = store.changes();
+    if CLEAN_AS_OF.get() == Some(changes) {
+        mark_written(store, &[]);
+        return;
+    }
+    match xact::try_transaction(|| write_changed(store)) {
+        Ok((written, all)) => {
+            mark_written(store, &written);
+            if all {
+                CLEAN_AS_OF.set(Some(changes));
+            }
             LOGGED.set(None);
         }
         Err((_, message)) => {
@@ -324,9 +336,9 @@ pub fn make_durable() {
     }
 }
 
-/// Writes the counts of this database that changed, and returns them.
-fn write_changed() -> Vec<store::Count> {
-    let Some(store) = shmem::region().map(|r| r.attempts()) else { return Vec::new() };
+/// Writes the counts of this database that changed, and returns them, and whether they were all there were (none
+/// waits for an inbox someone else holds).
+fn write_changed(store: &store::Store) -> (Vec<store::Count>, bool) {
     // SAFETY: reads a backend global, set once connected.
     let db = unsafe { pg_sys::MyDatabaseId };
     let changed = store.counts(db, true);
@@ -334,11 +346,12 @@ fn write_changed() -> Vec<store::Count> {
     // Each count with its inbox's name.
     let mut rows = Vec::new();
     let mut looked_up = std::collections::HashMap::new();
+    let mut all = true;
     for count in changed {
         match looked_up.entry(count.ns).or_insert_with(|| inbox_to_write(count.ns)) {
             Lookup::Inbox(inbox) => rows.push((inbox.clone(), count)),
             Lookup::Gone => gone.push(count.ns),
-            Lookup::Busy => {} // dirty still: the next round
+            Lookup::Busy => all = false, // dirty still: the next round
         }
     }
     // Rows of ids the table holds none of (the store knows them: `stored`) are inserted without a look for a
@@ -364,7 +377,7 @@ fn write_changed() -> Vec<store::Count> {
         // SAFETY: reads the clock.
         store.sweep(db, unsafe { pg_sys::GetCurrentTimestamp() }, &gone);
     }
-    rows.into_iter().map(|(_, count)| count).collect()
+    (rows.into_iter().map(|(_, count)| count).collect(), all)
 }
 
 /// Counts the worker writes per statement.
@@ -422,13 +435,11 @@ pub fn drop_database_counts(before: pg_sys::TimestampTz) {
 
 /// Once the counts `written` are committed: they are clean (their slots may then serve other ids), and lapsed ones go
 /// from shared memory.
-fn mark_written(written: &[store::Count]) {
-    if let Some(store) = shmem::region().map(|r| r.attempts()) {
-        store.written(written);
-        // SAFETY: reads a backend global and the clock.
-        let (db, now) = unsafe { (pg_sys::MyDatabaseId, pg_sys::GetCurrentTimestamp()) };
-        store.sweep(db, now, &[]);
-    }
+fn mark_written(store: &store::Store, written: &[store::Count]) {
+    store.written(written);
+    // SAFETY: reads a backend global and the clock.
+    let (db, now) = unsafe { (pg_sys::MyDatabaseId, pg_sys::GetCurrentTimestamp()) };
+    store.sweep(db, now, &[]);
 }
 
 #[cfg(any(test, feature = "pg_test"))]

@@ -11,6 +11,11 @@
 //! eviction bumps `evictions`: a caller that read an id's durable count before taking the lock knows, by it, whether
 //! that count may have gone stale meanwhile (the id's slot flushed and evicted in between).
 //!
+//! The worker's passes run only when they may find something: the copy of dirty counts when some count changed since
+//! a round that left none dirty (`changes`), the sweep once the earliest expiry of any slot may have come
+//! (`next_lapse`). An idle store costs the worker a taking of the lock per round, not a read of every slot (1,000,000
+//! slots, about 190 MB, took it ~26 ms per pass).
+//!
 //! The memory is zeroed when PostgreSQL creates it (start, and re-initialisation after a crash): all zero is an
 //! empty store. Everything after a crash starts again from what the worker had written.
 
@@ -96,6 +101,12 @@ struct StoreHeader {
     filled: u32,
     /// Where the next search for a slot to take starts, among the short slots and among the long ones (a clock).
     hands: [u32; 2],
+    /// Changes of a count (attempts and forgets) so far: a pass for dirty counts finds none while this is what it
+    /// was at a round that left none dirty.
+    changes: u64,
+    /// No used slot expires before this (it may be lower than the earliest expiry, never higher): a sweep before it
+    /// would free nothing. Zero, when the memory is created: the first sweep runs.
+    next_lapse: i64,
 }
 
 /// The store in shared memory.
@@ -278,7 +289,22 @@ impl Store {
         head.count = bump(head.count);
         head.last = now;
         head.expires = expires;
-        Some(head.count)
+        let count = head.count;
+        self.changed(&locked, expires);
+        Some(count)
+    }
+
+    /// A count changed under `locked` and now expires at `expires`: see `changes` and `next_lapse`.
+    fn changed(&self, locked: &Locked, expires: i64) {
+        let h = self.header_mut(locked);
+        h.changes += 1;
+        h.next_lapse = h.next_lapse.min(expires);
+    }
+
+    /// How many times a count changed so far (`StoreHeader::changes`).
+    pub fn changes(&self) -> u64 {
+        let _locked = self.lock();
+        self.header().changes
     }
 
     /// How many slots were freed for other ids so far: read before the durable count, compared by `bump_new`.
@@ -328,6 +354,7 @@ impl Store {
         };
         slot_id[..bytes.len()].copy_from_slice(bytes);
         self.link(&locked, hash, n);
+        self.changed(&locked, expires);
         Ok(Some(count))
     }
 
@@ -475,6 +502,7 @@ impl Store {
                 };
                 slot_id[..bytes.len()].copy_from_slice(bytes);
                 self.link(&locked, hash, n);
+                self.changed(&locked, now);
                 return Ok(());
             }
         };
@@ -484,6 +512,7 @@ impl Store {
         head.count = 0;
         head.first = now;
         head.expires = now;
+        self.changed(&locked, now);
         Ok(())
     }
 
@@ -499,17 +528,33 @@ impl Store {
         });
     }
 
-    /// Frees the slots of database `db` that are clean and expired, or whose inbox is one of `gone`.
+    /// Frees the slots of database `db` that are clean and expired, or whose inbox is one of `gone`. Without `gone`,
+    /// only once some slot may have expired (`next_lapse`); the pass then finds the earliest expiry left.
     pub fn sweep(&self, db: pgrx::pg_sys::Oid, now: i64, gone: &[u64]) {
+        let changes_before = {
+            let _locked = self.lock();
+            if gone.is_empty() && now < self.header().next_lapse {
+                return;
+            }
+            self.header().changes
+        };
+        let mut next_lapse = i64::MAX;
         self.pass(|locked, n| {
             let (head, _) = self.slot(locked, n);
-            if !head.used || crate::shmem::database_of(head.ns) != db {
+            if !head.used {
                 return;
             }
             let expired_clean = head.count == head.flushed && head.expires <= now;
-            if expired_clean || gone.contains(&head.ns) {
+            if crate::shmem::database_of(head.ns) == db && (expired_clean || gone.contains(&head.ns)) {
                 self.evict(locked, n);
+            } else {
+                next_lapse = next_lapse.min(head.expires);
             }
         });
+        let locked = self.lock();
+        let h = self.header_mut(&locked);
+        // A count changed during the pass may sit in a chunk already passed: its expiry is then only in `next_lapse`
+        // as `changed` lowered it, so the bound may not rise.
+        h.next_lapse = if h.changes == changes_before { next_lapse } else { h.next_lapse.min(next_lapse) };
     }
 }
