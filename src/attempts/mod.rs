@@ -287,7 +287,8 @@ unsafe extern "C-unwind" fn at_end_of_subtransaction(
 }
 
 /// Deletes every durable count of inbox `name`, which is being dropped (for `drop_inbox()`, which runs it as the
-/// extension's owner). Its counts in shared memory go at the worker's next round (their table is gone).
+/// extension's owner). Its counts in shared memory go at the worker's next round if dirty (their table is gone),
+/// else when they lapse or their slots serve other ids; nobody sees them meanwhile.
 pub fn forget_inbox(name: &str) {
     Spi::run_with_args("DELETE FROM dedup.attempt_counts WHERE inbox OPERATOR(pg_catalog.=) $1", &[name.into()])
         .unwrap_or_else(|e| internal("deleting the inbox's attempts", e));
@@ -313,7 +314,7 @@ pub fn make_durable() {
     let Some(store) = shmem::region().map(|r| r.attempts()) else { return };
     let changes = store.changes();
     if CLEAN_AS_OF.get() == Some(changes) {
-        mark_written(store, &[]);
+        sweep_lapsed(store);
         return;
     }
     match xact::try_transaction(|| write_changed(store)) {
@@ -375,7 +376,7 @@ fn write_changed(store: &store::Store) -> (Vec<store::Count>, bool) {
     }
     if !gone.is_empty() {
         // SAFETY: reads the clock.
-        store.sweep(db, unsafe { pg_sys::GetCurrentTimestamp() }, &gone);
+        store.sweep(unsafe { pg_sys::GetCurrentTimestamp() }, &gone);
     }
     (rows.into_iter().map(|(_, count)| count).collect(), all)
 }
@@ -437,9 +438,13 @@ pub fn drop_database_counts(before: pg_sys::TimestampTz) {
 /// from shared memory.
 fn mark_written(store: &store::Store, written: &[store::Count]) {
     store.written(written);
-    // SAFETY: reads a backend global and the clock.
-    let (db, now) = unsafe { (pg_sys::MyDatabaseId, pg_sys::GetCurrentTimestamp()) };
-    store.sweep(db, now, &[]);
+    sweep_lapsed(store);
+}
+
+/// Frees the slots of clean counts that lapsed, if any may have.
+fn sweep_lapsed(store: &store::Store) {
+    // SAFETY: reads the clock.
+    store.sweep(unsafe { pg_sys::GetCurrentTimestamp() }, &[]);
 }
 
 #[cfg(any(test, feature = "pg_test"))]

@@ -6,15 +6,17 @@
 //! sweeping lapsed ones) take the lock for `PASS_CHUNK` slots at a time, so attempts wait for a chunk, never for a
 //! whole pass; only building the index again (when three quarters of its cells are taken) holds it longer.
 //!
-//! A slot is *dirty* while its count differs from what the worker last wrote (`flushed`); only a clean slot may be
-//! taken for another id, so no count waits for the worker in a slot that could be lost to someone else. Every
+//! A slot is *dirty* while it holds what the worker has not written: its count differs from `flushed`, which an
+//! attempt or a forget sets to `u32::MAX` (each changes the durable row: its count, or at least its last attempt
+//! and window) and the worker to the count it wrote, once the slot still holds all it wrote. Only a clean slot may
+//! be taken for another id, so no count waits for the worker in a slot that could be lost to someone else. Every
 //! eviction bumps `evictions`: a caller that read an id's durable count before taking the lock knows, by it, whether
 //! that count may have gone stale meanwhile (the id's slot flushed and evicted in between).
 //!
-//! The worker's passes run only when they may find something: the copy of dirty counts when some count changed since
-//! a round that left none dirty (`changes`), the sweep once the earliest expiry of any slot may have come
-//! (`next_lapse`). An idle store costs the worker a taking of the lock per round, not a read of every slot (1,000,000
-//! slots, about 190 MB, took it ~26 ms per pass).
+//! The worker's passes run only when they may find something: the copy of dirty counts when some count (of any
+//! database) changed since a round that left none of its database dirty (`changes`), the sweep once the earliest
+//! expiry of any slot may have come (`next_lapse`). An idle store costs the worker two takings of the lock per round,
+//! not two reads of every slot (1,000,000 slots, about 240 MB, took ~26 ms per pass).
 //!
 //! The memory is zeroed when PostgreSQL creates it (start, and re-initialisation after a crash): all zero is an
 //! empty store. Everything after a crash starts again from what the worker had written.
@@ -52,7 +54,8 @@ struct Head {
     ns: u64,
     hash: u64,
     count: u32,
-    /// What the worker last wrote of `count` (a slot is clean when they are equal).
+    /// What the worker last wrote of `count` (a slot is clean when they are equal); `u32::MAX` when the slot holds
+    /// something it has not written (see the module comment).
     flushed: u32,
     first: i64,
     last: i64,
@@ -101,8 +104,8 @@ struct StoreHeader {
     filled: u32,
     /// Where the next search for a slot to take starts, among the short slots and among the long ones (a clock).
     hands: [u32; 2],
-    /// Changes of a count (attempts and forgets) so far: a pass for dirty counts finds none while this is what it
-    /// was at a round that left none dirty.
+    /// Changes of a count (attempts and forgets, in any database) so far: a worker's pass for dirty counts finds
+    /// none while this is what it was before a round of that worker's that left none of its database dirty.
     changes: u64,
     /// No used slot expires before this (it may be lower than the earliest expiry, never higher): a sweep before it
     /// would free nothing. Zero, when the memory is created: the first sweep runs.
@@ -289,6 +292,9 @@ impl Store {
         head.count = bump(head.count);
         head.last = now;
         head.expires = expires;
+        // Dirty even when the count equals what the worker wrote (one that started again and climbed back to it, or
+        // one at the top): the row's last attempt and window changed.
+        head.flushed = u32::MAX;
         let count = head.count;
         self.changed(&locked, expires);
         Some(count)
@@ -345,7 +351,8 @@ impl Store {
             ns,
             hash,
             count,
-            flushed: durable.count,
+            // Dirty, also for a count at the top that stays there (its row's last attempt and window change).
+            flushed: u32::MAX,
             first: durable.first,
             last: now,
             expires,
@@ -459,7 +466,7 @@ impl Store {
         }
     }
 
-    /// The worker wrote `written`: each slot that still counts what was written is clean, and each id written with
+    /// The worker wrote `written`: each slot that still holds what was written is clean, and each id written with
     /// a count has its row. The lock is taken for `PASS_CHUNK` counts at a time.
     pub fn written(&self, written: &[Count]) {
         for chunk in written.chunks(PASS_CHUNK) {
@@ -469,7 +476,9 @@ impl Store {
                 if let Some((_, n)) = self.find(&locked, w.ns, hash(w.ns, bytes), bytes) {
                     let (head, _) = self.slot(&locked, n);
                     head.stored |= w.count > 0;
-                    if head.count == w.count && head.first == w.first {
+                    let same =
+                        (head.count, head.first, head.last, head.expires) == (w.count, w.first, w.last, w.expires);
+                    if same {
                         head.flushed = w.count;
                     }
                 }
@@ -528,9 +537,11 @@ impl Store {
         });
     }
 
-    /// Frees the slots of database `db` that are clean and expired, or whose inbox is one of `gone`. Without `gone`,
-    /// only once some slot may have expired (`next_lapse`); the pass then finds the earliest expiry left.
-    pub fn sweep(&self, db: pgrx::pg_sys::Oid, now: i64, gone: &[u64]) {
+    /// Frees the slots that are clean and expired, of whichever database (their rows hold their counts, as when
+    /// `take_slot` frees a clean slot; a database no worker serves any more would otherwise keep `next_lapse` in the
+    /// past), and those whose inbox is one of `gone`. Without `gone`, only once some slot may have expired
+    /// (`next_lapse`); the pass then finds the earliest expiry left.
+    pub fn sweep(&self, now: i64, gone: &[u64]) {
         let changes_before = {
             let _locked = self.lock();
             if gone.is_empty() && now < self.header().next_lapse {
@@ -545,7 +556,7 @@ impl Store {
                 return;
             }
             let expired_clean = head.count == head.flushed && head.expires <= now;
-            if crate::shmem::database_of(head.ns) == db && (expired_clean || gone.contains(&head.ns)) {
+            if expired_clean || gone.contains(&head.ns) {
                 self.evict(locked, n);
             } else {
                 next_lapse = next_lapse.min(head.expires);
@@ -556,5 +567,84 @@ impl Store {
         // A count changed during the pass may sit in a chunk already passed: its expiry is then only in `next_lapse`
         // as `changed` lowered it, so the bound may not rise.
         h.next_lapse = if h.changes == changes_before { next_lapse } else { h.next_lapse.min(next_lapse) };
+    }
+}
+
+#[cfg(any(test, feature = "pg_test"))]
+#[pgrx::pg_schema]
+mod tests {
+    use super::*;
+    use pgrx::pg_sys::Oid;
+    use pgrx::prelude::*;
+
+    /// The key of an inbox (table 1) of database 1, and of one of database 2.
+    const NS: u64 = (1 << 32) | 1;
+    const OTHER_NS: u64 = (2 << 32) | 1;
+
+    /// A store of 16 short slots in this process's memory (zeroed, as shared memory is when created), with it.
+    fn store() -> (Vec<u64>, Store) {
+        let mut memory = vec![0u64; size(16) / 8 + 1];
+        // SAFETY: the vector is zeroed, 8-aligned, at least `size(16)` bytes, and outlives the store (the caller
+        // keeps both; moving the vector does not move its buffer).
+        let store = unsafe { Store::at(memory.as_mut_ptr() as *mut u8, 16) };
+        (memory, store)
+    }
+
+    fn dirty(store: &Store, db: u32) -> Vec<(String, u32)> {
+        store.counts(Oid::from(db), true).into_iter().map(|c| (c.id, c.count)).collect()
+    }
+
+    fn held(store: &Store) -> usize {
+        store.counts(Oid::from(1), false).len() + store.counts(Oid::from(2), false).len()
+    }
+
+    fn new_count(store: &Store, ns: u64, id: &str, now: i64, expires: i64, durable: Option<Durable>) -> u32 {
+        store.bump_new(ns, id, now, expires, durable, store.evictions()).unwrap().unwrap()
+    }
+
+    #[pg_test]
+    fn a_count_that_starts_again_or_stays_at_the_top_is_dirty() {
+        let (_memory, store) = store();
+        assert_eq!(new_count(&store, NS, "y", 0, 10, None), 1);
+        store.written(&store.counts(Oid::from(1), true));
+        assert!(dirty(&store, 1).is_empty(), "written: clean");
+        // Its window passed: counted afresh, 1 again, what the worker wrote; its row's window must still be written.
+        assert_eq!(store.bump_held(NS, "y", 20, 30), Some(1));
+        assert_eq!(dirty(&store, 1), [("y".to_owned(), 1)]);
+        // A count at the top stays there; its row's last attempt and window must still be written.
+        let top = Durable { count: i32::MAX as u32, first: 0 };
+        assert_eq!(new_count(&store, NS, "top", 40, 50, Some(top)), i32::MAX as u32);
+        assert!(dirty(&store, 1).iter().any(|(id, _)| id == "top"), "{:?}", dirty(&store, 1));
+        // The worker's copy is clean only if the slot still holds all of it.
+        let copy = store.counts(Oid::from(1), true);
+        assert_eq!(store.bump_held(NS, "top", 45, 55), Some(i32::MAX as u32));
+        store.written(&copy);
+        assert_eq!(dirty(&store, 1), [("top".to_owned(), i32::MAX as u32)], "the window after the copy is unwritten");
+    }
+
+    #[pg_test]
+    fn a_sweep_frees_lapsed_clean_counts_of_every_database_once_one_may_have_lapsed() {
+        let (_memory, store) = store();
+        new_count(&store, NS, "a", 0, 100, None);
+        new_count(&store, OTHER_NS, "b", 0, 50, None);
+        store.written(&store.counts(Oid::from(1), true));
+        store.written(&store.counts(Oid::from(2), true));
+        store.sweep(49, &[]);
+        assert_eq!(held(&store), 2, "nothing lapsed yet");
+        store.sweep(50, &[]);
+        assert_eq!(held(&store), 1, "database 2's clean count lapsed: freed by any database's worker");
+        store.sweep(100, &[]);
+        assert_eq!(held(&store), 0);
+        // Empty, the store's next lapse is the end of time: a count made since brings it back.
+        new_count(&store, NS, "c", 100, 150, None);
+        store.written(&store.counts(Oid::from(1), true));
+        store.sweep(149, &[]);
+        assert_eq!(held(&store), 1);
+        store.sweep(150, &[]);
+        assert_eq!(held(&store), 0, "the count made after the last sweep lowered the next lapse");
+        // A dirty count is never swept, lapsed or not.
+        new_count(&store, NS, "d", 200, 210, None);
+        store.sweep(300, &[]);
+        assert_eq!(dirty(&store, 1), [("d".to_owned(), 1)]);
     }
 }
