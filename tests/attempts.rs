@@ -364,9 +364,10 @@ fn a_database_that_drops_the_extension_gives_its_slots_back() {
 
 #[test]
 fn an_idle_store_costs_the_worker_no_pass_over_its_slots() {
-    // A million slots (about 240 MB of shared memory) and a round every 100 ms: a pass over every slot takes tens of milliseconds, so
-    // a worker that passed over them at each round (twice: for dirty counts, for lapsed ones) would spend a quarter
-    // of its time or more on an idle store. It passes only when a count changed or one may have lapsed.
+    // A million slots (about 240 MB of shared memory) and a round every 100 ms: a pass over every slot takes tens
+    // of milliseconds, so a worker that passed over them at each round (twice: for dirty counts, for lapsed ones)
+    // would spend a quarter of its time or more on an idle store. It passes only when a count changed or one may
+    // have lapsed.
     let cluster = preloaded(
         "att_idle",
         &["dedup.attempts_max = 1000000", "dedup.attempts_flush_interval = '100ms'", "dedup.purge = off"],
