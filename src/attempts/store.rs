@@ -16,7 +16,9 @@
 //! The worker's passes run only when they may find something: the copy of dirty counts when some count (of any
 //! database) changed since a round that left none of its database dirty (`changes`), the sweep once the earliest
 //! expiry of any slot may have come (`next_lapse`). An idle store costs the worker two takings of the lock per round,
-//! not two reads of every slot (1,000,000 slots, about 240 MB, took ~26 ms per pass).
+//! not two reads of every slot (1,000,000 slots, about 240 MB, took ~13 ms per pass). Under a steady stream of
+//! attempts a count changes during nearly every sweep, which then keeps the bound where it was: the sweep runs each
+//! round, as it always did.
 //!
 //! The memory is zeroed when PostgreSQL creates it (start, and re-initialisation after a crash): all zero is an
 //! empty store. Everything after a crash starts again from what the worker had written.
