@@ -649,4 +649,65 @@ mod tests {
         store.sweep(300, &[]);
         assert_eq!(dirty(&store, 1), [("d".to_owned(), 1)]);
     }
+
+    #[pg_test]
+    fn a_count_made_in_a_chunk_the_sweep_passed_keeps_the_next_lapse_below_its_expiry() {
+        // Many chunks: counts are made in ones the sweep has passed, where it does not see them.
+        let max = 32 * PASS_CHUNK;
+        let mut memory = vec![0u64; size(max) / 8 + 1];
+        // SAFETY: as in `store`; both threads use the store within the scope, while `memory` lives.
+        let store = unsafe { Store::at(memory.as_mut_ptr() as *mut u8, max) };
+        let (sweeping, idle, stop) = (AtomicBool::new(false), AtomicBool::new(true), AtomicBool::new(false));
+        let mut too_late = 0;
+        // A new count of `id`, written at once: clean and lapsed at 700. Tried again while slots are being freed
+        // (as a backend reads the durable table again then).
+        let attempted = |store: &Store, id: String| {
+            let count = loop {
+                if let Some(count) = store.bump_new(NS, &id, 600, 700, None, store.evictions()).unwrap() {
+                    break count;
+                }
+            };
+            store.written(&[Count { ns: NS, id, count, first: 600, last: 600, expires: 700, stored: false }]);
+        };
+        std::thread::scope(|s| {
+            // Another process attempting new ids while a sweep runs, and only then: a count made after the sweep
+            // would lower the bound again and hide a wrong one. A sweep at 800 that sees such a count frees it; one
+            // the sweep does not see must keep the bound at or before its expiry.
+            s.spawn(|| {
+                for i in 0.. {
+                    if stop.load(Ordering::SeqCst) {
+                        break;
+                    }
+                    // Busy before looking again, so that the sweeper, once it stopped sweeping, waits for this
+                    // attempt to be over (both orders are SeqCst).
+                    idle.store(false, Ordering::SeqCst);
+                    if !sweeping.load(Ordering::SeqCst) {
+                        idle.store(true, Ordering::SeqCst);
+                        std::hint::spin_loop();
+                        continue;
+                    }
+                    attempted(&store, format!("z{i}"));
+                }
+            });
+            for i in 0..500 {
+                // A lapsed count of its own first, so that every sweep runs (a sweep that found nothing and saw no
+                // change would put the bound at the end of time, and the next ones would return at once).
+                attempted(&store, format!("a{i}"));
+                sweeping.store(true, Ordering::SeqCst);
+                store.sweep(800, &[]);
+                sweeping.store(false, Ordering::SeqCst);
+                while !idle.load(Ordering::SeqCst) {
+                    std::hint::spin_loop();
+                }
+                let locked = store.lock();
+                let earliest = (0..store.slots())
+                    .filter_map(|n| Some(store.slot(&locked, n).0).filter(|head| head.used).map(|head| head.expires))
+                    .min();
+                too_late += earliest.is_some_and(|e| store.header().next_lapse > e) as usize;
+            }
+            stop.store(true, Ordering::SeqCst);
+        });
+        // A bound after a held count's expiry has the sweeps skip it until some later change.
+        assert_eq!(too_late, 0, "sweeps that left the next lapse after a held count's expiry");
+    }
 }
