@@ -16,9 +16,10 @@
 //! The worker's passes run only when they may find something: the copy of dirty counts when some count (of any
 //! database) changed since a round that left none of its database dirty (`changes`), the sweep once the earliest
 //! expiry of any slot may have come (`next_lapse`). An idle store costs the worker two takings of the lock per round,
-//! not two reads of every slot (1,000,000 slots, about 240 MB, took ~13 ms per pass). Under a steady stream of
-//! attempts a count changes during nearly every sweep, which then keeps the bound where it was: the sweep runs each
-//! round, as it always did.
+//! not two reads of every slot (1,000,000 slots, about 240 MB, took ~13 ms per pass). A count that changes during a
+//! sweep, in a chunk the sweep has passed, is one it did not see: its expiry goes into `changed_low`, which the
+//! sweep's bound takes in, so that a steady stream of attempts does not keep the bound where it was (and the sweep
+//! running every round) until counts really lapse.
 //!
 //! The memory is zeroed when PostgreSQL creates it (start, and re-initialisation after a crash): all zero is an
 //! empty store. Everything after a crash starts again from what the worker had written.
@@ -112,6 +113,12 @@ struct StoreHeader {
     /// No used slot expires before this (it may be lower than the earliest expiry, never higher): a sweep before it
     /// would free nothing. Zero, when the memory is created: the first sweep runs.
     next_lapse: i64,
+    /// Sweeps under way (every database's worker sweeps the one store). One that failed half-way stays counted:
+    /// the bound then only stays lower than it could be.
+    sweeps: u32,
+    /// The earliest expiry a count was given since the first of the sweeps under way began: what their passes may
+    /// not have seen.
+    changed_low: i64,
 }
 
 /// The store in shared memory.
@@ -307,6 +314,7 @@ impl Store {
         let h = self.header_mut(locked);
         h.changes += 1;
         h.next_lapse = h.next_lapse.min(expires);
+        h.changed_low = h.changed_low.min(expires);
     }
 
     /// How many times a count changed so far (`StoreHeader::changes`).
@@ -544,13 +552,17 @@ impl Store {
     /// past), and those whose inbox is one of `gone`. Without `gone`, only once some slot may have expired
     /// (`next_lapse`); the pass then finds the earliest expiry left.
     pub fn sweep(&self, now: i64, gone: &[u64]) {
-        let changes_before = {
-            let _locked = self.lock();
-            if gone.is_empty() && now < self.header().next_lapse {
+        {
+            let locked = self.lock();
+            let h = self.header_mut(&locked);
+            if gone.is_empty() && now < h.next_lapse {
                 return;
             }
-            self.header().changes
-        };
+            if h.sweeps == 0 {
+                h.changed_low = i64::MAX;
+            }
+            h.sweeps += 1;
+        }
         let mut next_lapse = i64::MAX;
         self.pass(|locked, n| {
             let (head, _) = self.slot(locked, n);
@@ -566,9 +578,10 @@ impl Store {
         });
         let locked = self.lock();
         let h = self.header_mut(&locked);
-        // A count changed during the pass may sit in a chunk already passed: its expiry is then only in `next_lapse`
-        // as `changed` lowered it, so the bound may not rise.
-        h.next_lapse = if h.changes == changes_before { next_lapse } else { h.next_lapse.min(next_lapse) };
+        h.sweeps -= 1;
+        // A count changed during the pass may sit in a chunk already passed, unseen: `changed_low` has its expiry
+        // (with those of every change since the first sweep under way began; never later than any of them).
+        h.next_lapse = next_lapse.min(h.changed_low);
     }
 }
 
@@ -650,29 +663,27 @@ mod tests {
         assert_eq!(dirty(&store, 1), [("d".to_owned(), 1)]);
     }
 
-    #[pg_test]
-    fn a_count_made_in_a_chunk_the_sweep_passed_keeps_the_next_lapse_below_its_expiry() {
-        // Many chunks: counts are made in ones the sweep has passed, where it does not see them.
+    /// What `sweeps` sweeps at 800 left of the bound, in a store of many chunks, while another process makes a
+    /// count expiring at `expires` whenever a sweep runs, and only then (a count made after the sweep would lower the
+    /// bound again and hide what the sweep left). Before each sweep a count of its own lapses at 700, so that every
+    /// sweep runs. For each sweep: the bound it left, the earliest expiry held then, and the counts made meanwhile.
+    fn sweeps_while_counts_are_made(sweeps: usize, expires: i64) -> Vec<(i64, Option<i64>, u64)> {
         let max = 32 * PASS_CHUNK;
         let mut memory = vec![0u64; size(max) / 8 + 1];
         // SAFETY: as in `store`; both threads use the store within the scope, while `memory` lives.
         let store = unsafe { Store::at(memory.as_mut_ptr() as *mut u8, max) };
         let (sweeping, idle, stop) = (AtomicBool::new(false), AtomicBool::new(true), AtomicBool::new(false));
-        let mut too_late = 0;
-        // A new count of `id`, written at once: clean and lapsed at 700. Tried again while slots are being freed
-        // (as a backend reads the durable table again then).
-        let attempted = |store: &Store, id: String| {
+        // A new count of `id`, written at once (clean). Tried again while slots are being freed, as a backend reads
+        // the durable table again then.
+        let attempted = |id: String, expires: i64| {
             let count = loop {
-                if let Some(count) = store.bump_new(NS, &id, 600, 700, None, store.evictions()).unwrap() {
+                if let Some(count) = store.bump_new(NS, &id, 600, expires, None, store.evictions()).unwrap() {
                     break count;
                 }
             };
-            store.written(&[Count { ns: NS, id, count, first: 600, last: 600, expires: 700, stored: false }]);
+            store.written(&[Count { ns: NS, id, count, first: 600, last: 600, expires, stored: false }]);
         };
         std::thread::scope(|s| {
-            // Another process attempting new ids while a sweep runs, and only then: a count made after the sweep
-            // would lower the bound again and hide a wrong one. A sweep at 800 that sees such a count frees it; one
-            // the sweep does not see must keep the bound at or before its expiry.
             s.spawn(|| {
                 for i in 0.. {
                     if stop.load(Ordering::SeqCst) {
@@ -686,28 +697,45 @@ mod tests {
                         std::hint::spin_loop();
                         continue;
                     }
-                    attempted(&store, format!("z{i}"));
+                    attempted(format!("z{i}"), expires);
                 }
             });
-            for i in 0..500 {
-                // A lapsed count of its own first, so that every sweep runs (a sweep that found nothing and saw no
-                // change would put the bound at the end of time, and the next ones would return at once).
-                attempted(&store, format!("a{i}"));
-                sweeping.store(true, Ordering::SeqCst);
-                store.sweep(800, &[]);
-                sweeping.store(false, Ordering::SeqCst);
-                while !idle.load(Ordering::SeqCst) {
-                    std::hint::spin_loop();
-                }
-                let locked = store.lock();
-                let earliest = (0..store.slots())
-                    .filter_map(|n| Some(store.slot(&locked, n).0).filter(|head| head.used).map(|head| head.expires))
-                    .min();
-                too_late += earliest.is_some_and(|e| store.header().next_lapse > e) as usize;
-            }
+            let left = (0..sweeps)
+                .map(|i| {
+                    attempted(format!("a{i}"), 700);
+                    let changes = store.changes();
+                    sweeping.store(true, Ordering::SeqCst);
+                    store.sweep(800, &[]);
+                    sweeping.store(false, Ordering::SeqCst);
+                    while !idle.load(Ordering::SeqCst) {
+                        std::hint::spin_loop();
+                    }
+                    let locked = store.lock();
+                    let held = |n| Some(store.slot(&locked, n).0).filter(|head| head.used).map(|head| head.expires);
+                    let earliest = (0..store.slots()).filter_map(held).min();
+                    (store.header().next_lapse, earliest, store.header().changes - changes)
+                })
+                .collect();
             stop.store(true, Ordering::SeqCst);
-        });
-        // A bound after a held count's expiry has the sweeps skip it until some later change.
+            left
+        })
+    }
+
+    #[pg_test]
+    fn a_count_made_in_a_chunk_the_sweep_passed_keeps_the_next_lapse_at_or_before_its_expiry() {
+        let left = sweeps_while_counts_are_made(500, 700);
+        let too_late = left.iter().filter(|(bound, earliest, _)| earliest.is_some_and(|e| *bound > e)).count();
+        // Such a bound has the sweeps skip a lapsed count until some later change.
         assert_eq!(too_late, 0, "sweeps that left the next lapse after a held count's expiry");
+    }
+
+    #[pg_test]
+    fn counts_made_during_a_sweep_let_its_bound_rise_to_their_expiry() {
+        let left = sweeps_while_counts_are_made(200, 10_000);
+        let with_counts: Vec<_> = left.iter().filter(|(_, _, made)| *made > 0).collect();
+        assert!(with_counts.len() > 10, "counts were made during only {} of 200 sweeps", with_counts.len());
+        // Nothing held lapses before 10,000: a bound at or before 800 would have every round sweep again.
+        let stuck = with_counts.iter().filter(|(bound, _, _)| *bound < 10_000).count();
+        assert_eq!(stuck, 0, "sweeps during which counts were made that kept the bound where it was");
     }
 }
