@@ -348,9 +348,12 @@ impl Store {
         let h = self.header_mut(locked);
         h.changes += 1;
         h.next_lapse = h.next_lapse.min(expires);
-        for (i, low) in h.changed_low.iter_mut().enumerate() {
-            if h.sweeping & (1 << i) != 0 {
-                *low = (*low).min(expires);
+        // Nearly always no sweep is under way: every attempt comes here, under the lock.
+        if h.sweeping != 0 {
+            for (i, low) in h.changed_low.iter_mut().enumerate() {
+                if h.sweeping & (1 << i) != 0 {
+                    *low = (*low).min(expires);
+                }
             }
         }
     }
