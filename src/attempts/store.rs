@@ -25,6 +25,7 @@
 //! The memory is zeroed when PostgreSQL creates it (start, and re-initialisation after a crash): all zero is an
 //! empty store. Everything after a crash starts again from what the worker had written.
 
+use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 /// Ids up to this many bytes take a short slot; longer ones (up to 2048, the limit of an id) a long one.
@@ -97,6 +98,9 @@ pub struct Durable {
 #[derive(Debug)]
 pub struct Full;
 
+/// The store's first bytes: its lock and the atomic count of evictions, which any process reads or writes at any
+/// time; the sizes, fixed when the memory is created; and the rest, which only the lock's holder reads or writes,
+/// in a cell of its own (so that the holder's `&mut` of it never covers what others touch without the lock).
 #[repr(C)]
 struct StoreHeader {
     lock: AtomicBool,
@@ -104,6 +108,12 @@ struct StoreHeader {
     short: u32,
     long: u32,
     index_len: u32,
+    guarded: UnsafeCell<Guarded>,
+}
+
+/// What the store's lock guards in its header.
+#[repr(C)]
+struct Guarded {
     /// Index cells that are not EMPTY (used or FREED): past three quarters, the index is built again.
     filled: u32,
     /// Where the next search for a slot to take starts, among the short slots and among the long ones (a clock).
@@ -139,7 +149,7 @@ impl SweepEntry<'_> {
     /// without an entry.
     fn give_back(&mut self, locked: &Locked) -> Option<i64> {
         let i = self.index.take()?;
-        let h = self.store.header_mut(locked);
+        let h = self.store.guarded(locked);
         h.sweeping &= !(1 << i);
         Some(h.changed_low[i])
     }
@@ -345,7 +355,7 @@ impl Store {
 
     /// A count changed under `locked` and now expires at `expires`: see `changes`, `next_lapse` and `changed_low`.
     fn changed(&self, locked: &Locked, expires: i64) {
-        let h = self.header_mut(locked);
+        let h = self.guarded(locked);
         h.changes += 1;
         h.next_lapse = h.next_lapse.min(expires);
         // Nearly always no sweep is under way: every attempt comes here, under the lock.
@@ -358,10 +368,9 @@ impl Store {
         }
     }
 
-    /// How many times a count changed so far (`StoreHeader::changes`).
+    /// How many times a count changed so far (`Guarded::changes`).
     pub fn changes(&self) -> u64 {
-        let _locked = self.lock();
-        self.header().changes
+        self.guarded(&self.lock()).changes
     }
 
     /// How many slots were freed for other ids so far: read before the durable count, compared by `bump_new`.
@@ -420,7 +429,7 @@ impl Store {
     /// the store does not hold stops only at one).
     fn link(&self, locked: &Locked, hash: u64, n: usize) {
         let len = self.header().index_len as usize;
-        if self.header().filled as usize >= len / 4 * 3 {
+        if self.guarded(locked).filled as usize >= len / 4 * 3 {
             self.rebuild_index(locked);
         }
         let index = self.index(locked);
@@ -429,7 +438,7 @@ impl Store {
             let cell = (start + probe) & (len - 1);
             if index[cell] == EMPTY || index[cell] == FREED {
                 if index[cell] == EMPTY {
-                    self.header_mut(locked).filled += 1;
+                    self.guarded(locked).filled += 1;
                 }
                 index[cell] = cell_of(n, hash);
                 return;
@@ -441,15 +450,15 @@ impl Store {
     // The lock (held, as the `Locked` passed in proves) makes the access exclusive; each caller keeps the
     // reference only while it works on that part of the store, never two of the same part at once.
     #[allow(clippy::mut_from_ref)]
-    fn header_mut(&self, _: &Locked) -> &mut StoreHeader {
-        // SAFETY: the store starts with its header; the lock is held.
-        unsafe { &mut *(self.base as *mut StoreHeader) }
+    fn guarded(&self, _: &Locked) -> &mut Guarded {
+        // SAFETY: the lock is held: no other process or thread reads or writes these fields meanwhile.
+        unsafe { &mut *self.header().guarded.get() }
     }
 
     /// The index anew, from the used slots.
     fn rebuild_index(&self, locked: &Locked) {
         self.index(locked).fill(EMPTY);
-        self.header_mut(locked).filled = 0;
+        self.guarded(locked).filled = 0;
         for n in 0..self.slots() {
             let (head, _) = self.slot(locked, n);
             if head.used {
@@ -459,7 +468,7 @@ impl Store {
                 let start = hash as usize & (len - 1);
                 let cell = (0..len).map(|p| (start + p) & (len - 1)).find(|c| index[*c] == EMPTY).expect("room");
                 index[cell] = cell_of(n, hash);
-                self.header_mut(locked).filled += 1;
+                self.guarded(locked).filled += 1;
             }
         }
     }
@@ -469,12 +478,12 @@ impl Store {
     fn take_slot(&self, locked: &Locked, len: usize) -> Option<usize> {
         let short = self.header().short as usize;
         let (which, first, count) = if len <= SHORT_ID { (0, 0, short) } else { (1, short, self.slots() - short) };
-        let hand = self.header().hands[which] as usize;
+        let hand = self.guarded(locked).hands[which] as usize;
         let n = (0..count).map(|i| first + (hand + i) % count).find(|&n| {
             let (head, _) = self.slot(locked, n);
             !head.used || head.count == head.flushed
         })?;
-        self.header_mut(locked).hands[which] = ((n - first + 1) % count) as u32;
+        self.guarded(locked).hands[which] = ((n - first + 1) % count) as u32;
         if self.slot(locked, n).0.used {
             self.evict(locked, n);
         }
@@ -595,7 +604,7 @@ impl Store {
     pub fn sweep(&self, now: i64, gone: &[u64]) {
         let mut entry = {
             let locked = self.lock();
-            let h = self.header_mut(&locked);
+            let h = self.guarded(&locked);
             if gone.is_empty() && now < h.next_lapse {
                 return;
             }
@@ -623,8 +632,8 @@ impl Store {
         // A count changed during the pass may sit in a chunk already passed, unseen: this sweep's `changed_low`
         // has its expiry; without an entry of its own, the bound as it stands (which every other writer keeps
         // sound) has it.
-        let changed_low = entry.give_back(&locked).unwrap_or(self.header().next_lapse);
-        let h = self.header_mut(&locked);
+        let changed_low = entry.give_back(&locked).unwrap_or(self.guarded(&locked).next_lapse);
+        let h = self.guarded(&locked);
         h.next_lapse = next_lapse.min(changed_low);
     }
 }
@@ -761,7 +770,7 @@ mod tests {
                     let locked = store.lock();
                     let held = |n| Some(store.slot(&locked, n).0).filter(|head| head.used).map(|head| head.expires);
                     let earliest = (0..store.slots()).filter_map(held).min();
-                    (store.header().next_lapse, earliest, store.header().changes - changes)
+                    (store.guarded(&locked).next_lapse, earliest, store.guarded(&locked).changes - changes)
                 })
                 .collect();
             stop.store(true, Ordering::SeqCst);
@@ -778,21 +787,25 @@ mod tests {
         // taken from theirs would stay at 0), and gives it back.
         {
             let locked = store.lock();
-            let h = store.header_mut(&locked);
+            let h = store.guarded(&locked);
             h.sweeping = 0x7f;
             h.changed_low = [0; SWEEPS];
         }
         store.sweep(100, &[]);
         assert_eq!(held(&store), 0);
-        assert_eq!(store.header().next_lapse, i64::MAX, "nothing is held: the bound rises to the end of time");
-        assert_eq!(store.header().sweeping, 0x7f);
+        assert_eq!(
+            store.guarded(&store.lock()).next_lapse,
+            i64::MAX,
+            "nothing is held: the bound rises to the end of time"
+        );
+        assert_eq!(store.guarded(&store.lock()).sweeping, 0x7f);
         // All eight taken: nothing tells what changed during the pass, so the bound stays where `changed` left it.
         new_count(&store, NS, "b", 100, 150, None);
         store.written(&store.counts(Oid::from(1), true));
-        store.header_mut(&store.lock()).sweeping = 0xff;
+        store.guarded(&store.lock()).sweeping = 0xff;
         store.sweep(150, &[]);
         assert_eq!(held(&store), 0);
-        assert_eq!(store.header().next_lapse, 150);
+        assert_eq!(store.guarded(&store.lock()).next_lapse, 150);
     }
 
     #[pg_test]
@@ -804,7 +817,7 @@ mod tests {
         store.index(&store.lock()).fill(EMPTY);
         let swept = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| store.sweep(100, &[])));
         assert!(swept.is_err(), "the sweep went through a slot missing from the index");
-        assert_eq!(store.header().sweeping, 0, "its entry is free for the next sweep");
+        assert_eq!(store.guarded(&store.lock()).sweeping, 0, "its entry is free for the next sweep");
     }
 
     #[pg_test]
@@ -812,14 +825,14 @@ mod tests {
         let (_memory, store) = store();
         {
             let locked = store.lock();
-            let h = store.header_mut(&locked);
+            let h = store.guarded(&locked);
             h.sweeping = 0b1001;
             h.changed_low = [i64::MAX; SWEEPS];
         }
         new_count(&store, NS, "a", 0, 40, None);
         let mut expected = [i64::MAX; SWEEPS];
         (expected[0], expected[3]) = (40, 40);
-        assert_eq!(store.header().changed_low, expected);
+        assert_eq!(store.guarded(&store.lock()).changed_low, expected);
     }
 
     #[pg_test]
