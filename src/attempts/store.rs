@@ -15,12 +15,14 @@
 //!
 //! The worker's passes run only when they may find something: the copy of dirty counts when some count (of any
 //! database) changed since a round that left none of its database dirty (`changes`), the sweep once the earliest
-//! expiry of any slot may have come (`next_lapse`). An idle store costs the worker two takings of the lock per round,
-//! not two reads of every slot (1,000,000 slots, about 240 MB, took ~13 ms per pass). A count that changes during a
-//! sweep may sit in a chunk the sweep has passed, unseen: each sweep under way keeps the earliest expiry given to a
-//! count since it began (`changed_low`), and the bound it leaves is that and what its pass saw. (Keeping the old bound
-//! whenever anything changed would, under a steady stream of attempts, never let it rise once a sweep had run: every
-//! round would sweep the whole store.)
+//! expiry of a clean slot may have come (`next_lapse`). An idle store costs the worker two takings of the lock per
+//! round, not two reads of every slot (1,000,000 slots, about 240 MB, took ~13 ms per pass). Dirty slots, which no
+//! sweep frees, do not hold the bound back (a lapsed one the worker cannot write, of a database it no longer serves,
+//! would otherwise have every round sweep the whole store): a slot that turns clean lowers it. A slot may turn clean
+//! during a sweep in a chunk the sweep has passed, unseen: each sweep under way keeps the earliest expiry of a slot
+//! that turned clean since it began (`changed_low`), and the bound it leaves is that and what its pass saw. (Keeping
+//! the old bound whenever anything changed would, under a steady stream of attempts, never let it rise once a sweep
+//! had run: every round would sweep the whole store.)
 //!
 //! The memory is zeroed when PostgreSQL creates it (start, and re-initialisation after a crash): all zero is an
 //! empty store. Everything after a crash starts again from what the worker had written.
@@ -73,6 +75,13 @@ struct Head {
     id_len: u32,
 }
 
+impl Head {
+    /// Does the durable table hold all this slot holds (see `flushed`)?
+    fn clean(&self) -> bool {
+        self.count == self.flushed
+    }
+}
+
 /// One id's count as the store holds it, copied out.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Count {
@@ -121,14 +130,14 @@ struct Guarded {
     /// Changes of a count (attempts and forgets, in any database) so far: a worker's pass for dirty counts finds
     /// none while this is what it was before a round of that worker's that left none of its database dirty.
     changes: u64,
-    /// No used slot expires before this (it may be lower than the earliest expiry, never higher): a sweep before it
-    /// would free nothing. Zero, when the memory is created: the first sweep runs.
+    /// No clean slot expires before this (it may be lower than the earliest such expiry, never higher): a sweep
+    /// before it would free nothing. Zero, when the memory is created: the first sweep runs.
     next_lapse: i64,
     /// The entries of `changed_low` in use, a bit each: one per sweep under way (every database's worker sweeps
     /// the one store), given back however the sweep ends (`SweepEntry`).
     sweeping: u8,
-    /// For each sweep under way, the earliest expiry a count was given since it began: what its pass may not have
-    /// seen.
+    /// For each sweep under way, the earliest expiry of a slot that turned clean since it began: what its pass may
+    /// not have seen.
     changed_low: [i64; SWEEPS],
 }
 
@@ -145,8 +154,8 @@ struct SweepEntry<'a> {
 }
 
 impl SweepEntry<'_> {
-    /// Gives the entry back under `locked`, with the earliest expiry a count was given since the sweep began; None
-    /// without an entry.
+    /// Gives the entry back under `locked`, with the earliest expiry of a slot that turned clean since the sweep
+    /// began; None without an entry.
     fn give_back(&mut self, locked: &Locked) -> Option<i64> {
         let i = self.index.take()?;
         let h = self.store.guarded(locked);
@@ -349,21 +358,24 @@ impl Store {
         // one at the top): the row's last attempt and window changed.
         head.flushed = u32::MAX;
         let count = head.count;
-        self.changed(&locked, expires);
+        self.changed(&locked);
         Some(count)
     }
 
-    /// A count changed under `locked` and now expires at `expires`: see `changes`, `next_lapse` and `changed_low`.
-    fn changed(&self, locked: &Locked, expires: i64) {
+    /// A count changed under `locked`, and its slot is dirty: see `changes`. (Its expiry does not concern the
+    /// sweeps until the slot turns clean: `cleaned`.)
+    fn changed(&self, locked: &Locked) {
+        self.guarded(locked).changes += 1;
+    }
+
+    /// A slot turned clean under `locked`, expiring at `expires`: a sweep may free it from then on (see `next_lapse`
+    /// and `changed_low`).
+    fn cleaned(&self, locked: &Locked, expires: i64) {
         let h = self.guarded(locked);
-        h.changes += 1;
         h.next_lapse = h.next_lapse.min(expires);
-        // Nearly always no sweep is under way: every attempt comes here, under the lock.
-        if h.sweeping != 0 {
-            for (i, low) in h.changed_low.iter_mut().enumerate() {
-                if h.sweeping & (1 << i) != 0 {
-                    *low = (*low).min(expires);
-                }
+        for (i, low) in h.changed_low.iter_mut().enumerate() {
+            if h.sweeping & (1 << i) != 0 {
+                *low = (*low).min(expires);
             }
         }
     }
@@ -421,7 +433,7 @@ impl Store {
         };
         slot_id[..bytes.len()].copy_from_slice(bytes);
         self.link(&locked, hash, n);
-        self.changed(&locked, expires);
+        self.changed(&locked);
         Ok(Some(count))
     }
 
@@ -481,7 +493,7 @@ impl Store {
         let hand = self.guarded(locked).hands[which] as usize;
         let n = (0..count).map(|i| first + (hand + i) % count).find(|&n| {
             let (head, _) = self.slot(locked, n);
-            !head.used || head.count == head.flushed
+            !head.used || head.clean()
         })?;
         self.guarded(locked).hands[which] = ((n - first + 1) % count) as u32;
         if self.slot(locked, n).0.used {
@@ -496,8 +508,7 @@ impl Store {
         let mut counts = Vec::new();
         self.pass(|locked, n| {
             let (head, bytes) = self.slot(locked, n);
-            let wanted =
-                head.used && crate::shmem::database_of(head.ns) == db && (!dirty_only || head.count != head.flushed);
+            let wanted = head.used && crate::shmem::database_of(head.ns) == db && (!dirty_only || !head.clean());
             if wanted {
                 counts.push(Count {
                     ns: head.ns,
@@ -540,6 +551,8 @@ impl Store {
                         (head.count, head.first, head.last, head.expires) == (w.count, w.first, w.last, w.expires);
                     if same {
                         head.flushed = w.count;
+                        let expires = head.expires;
+                        self.cleaned(&locked, expires);
                     }
                 }
             }
@@ -571,7 +584,7 @@ impl Store {
                 };
                 slot_id[..bytes.len()].copy_from_slice(bytes);
                 self.link(&locked, hash, n);
-                self.changed(&locked, now);
+                self.changed(&locked);
                 return Ok(());
             }
         };
@@ -581,7 +594,7 @@ impl Store {
         head.count = 0;
         head.first = now;
         head.expires = now;
-        self.changed(&locked, now);
+        self.changed(&locked);
         Ok(())
     }
 
@@ -600,7 +613,7 @@ impl Store {
     /// Frees the slots that are clean and expired, of whichever database (their rows hold their counts, as when
     /// `take_slot` frees a clean slot; a database no worker serves any more would otherwise keep `next_lapse` in the
     /// past), and those whose inbox is one of `gone`. Without `gone`, only once some slot may have expired
-    /// (`next_lapse`); the pass then finds the earliest expiry left.
+    /// (`next_lapse`); the pass then finds the earliest expiry of a clean slot left.
     pub fn sweep(&self, now: i64, gone: &[u64]) {
         let mut entry = {
             let locked = self.lock();
@@ -621,16 +634,15 @@ impl Store {
             if !head.used {
                 return;
             }
-            let expired_clean = head.count == head.flushed && head.expires <= now;
-            if expired_clean || gone.contains(&head.ns) {
+            if (head.clean() && head.expires <= now) || gone.contains(&head.ns) {
                 self.evict(locked, n);
-            } else {
+            } else if head.clean() {
                 next_lapse = next_lapse.min(head.expires);
             }
         });
         let locked = self.lock();
-        // A count changed during the pass may sit in a chunk already passed, unseen: this sweep's `changed_low`
-        // has its expiry; without an entry of its own, the bound as it stands (which every other writer keeps
+        // A slot that turned clean during the pass may sit in a chunk already passed, unseen: this sweep's
+        // `changed_low` has its expiry; without an entry of its own, the bound as it stands (which `cleaned` keeps
         // sound) has it.
         let changed_low = entry.give_back(&locked).unwrap_or(self.guarded(&locked).next_lapse);
         let h = self.guarded(&locked);
@@ -716,29 +728,32 @@ mod tests {
         assert_eq!(dirty(&store, 1), [("d".to_owned(), 1)]);
     }
 
-    /// Runs `sweeps` sweeps at 800 over a store of many chunks while a second thread, standing for another backend,
-    /// makes counts expiring at `expires` whenever a sweep runs, and only then (a count made after the sweep would
-    /// lower the bound again and hide what the sweep left). Before each sweep a count of the first thread's lapses at
-    /// 700, so that every sweep runs. For each sweep: the bound it left, the earliest expiry held then, and the counts
-    /// made meanwhile (during its pass or around it: which of them landed in a chunk already passed, the test cannot
-    /// tell). One sweep at a time, so each takes the first entry: the tests below are of what one sweep leaves.
-    /// Without `changed_low` the first failed in 4 to 23 of 500 sweeps; with the rule before it (the old bound kept
-    /// whenever anything changed) the second failed in 21 and 192 of 200.
-    fn sweeps_while_counts_are_made(sweeps: usize, expires: i64) -> Vec<(i64, Option<i64>, u64)> {
+    /// Runs `sweeps` sweeps over a store of many chunks while a second thread, standing for backends and their
+    /// worker, makes counts and writes them at once (clean) whenever a sweep runs. Sweep `i` runs at `now` =
+    /// 1,000 × (i + 1): before it a count of the first thread's lapses at `now` - 100, so that it runs; the counts made
+    /// meanwhile expire at `now` + 1, `now` + 2, ... in the order they are written, so that the next sweep frees them,
+    /// and so that one written after the sweep's end (the last of a sweep's counts often is), which lowers the bound
+    /// to its own expiry, cannot hide a bound the sweep left after an earlier one's. For each sweep: `now`, the bound
+    /// it left, the earliest expiry of a clean slot then, and the counts made meanwhile (during its pass or around
+    /// it: which of them landed in a chunk already passed, the test cannot tell). One sweep at a time, so each takes
+    /// the first entry: the tests below are of what one sweep leaves. A harness whose counts all expired alike missed
+    /// the bug below: nearly every sweep's bound was lowered again by a count written after it.
+    fn sweeps_while_counts_are_made(sweeps: usize) -> Vec<(i64, i64, Option<i64>, u64)> {
         let max = 32 * PASS_CHUNK;
         let mut memory = vec![0u64; size(max) / 8 + 1];
         // SAFETY: as in `store`; both threads use the store within the scope, while `memory` lives.
         let store = unsafe { Store::at(memory.as_mut_ptr() as *mut u8, max) };
         let (sweeping, idle, stop) = (AtomicBool::new(false), AtomicBool::new(true), AtomicBool::new(false));
+        let next_expiry = std::sync::atomic::AtomicI64::new(0);
         // A new count of `id`, written at once (clean). Tried again while slots are being freed, as a backend reads
         // the durable table again then.
-        let attempted = |id: String, expires: i64| {
+        let attempted = |id: String, now: i64, expires: i64| {
             let count = loop {
-                if let Some(count) = store.bump_new(NS, &id, 600, expires, None, store.evictions()).unwrap() {
+                if let Some(count) = store.bump_new(NS, &id, now, expires, None, store.evictions()).unwrap() {
                     break count;
                 }
             };
-            store.written(&[Count { ns: NS, id, count, first: 600, last: 600, expires, stored: false }]);
+            store.written(&[Count { ns: NS, id, count, first: now, last: now, expires, stored: false }]);
         };
         std::thread::scope(|s| {
             s.spawn(|| {
@@ -754,23 +769,27 @@ mod tests {
                         std::hint::spin_loop();
                         continue;
                     }
-                    attempted(format!("z{i}"), expires);
+                    let expires = next_expiry.fetch_add(1, Ordering::SeqCst);
+                    attempted(format!("z{i}"), expires - 1, expires);
                 }
             });
             let left = (0..sweeps)
                 .map(|i| {
-                    attempted(format!("a{i}"), 700);
+                    let now = 1_000 * (i as i64 + 1);
+                    attempted(format!("a{i}"), now - 200, now - 100);
+                    next_expiry.store(now + 1, Ordering::SeqCst);
                     let changes = store.changes();
                     sweeping.store(true, Ordering::SeqCst);
-                    store.sweep(800, &[]);
+                    store.sweep(now, &[]);
                     sweeping.store(false, Ordering::SeqCst);
                     while !idle.load(Ordering::SeqCst) {
                         std::hint::spin_loop();
                     }
+                    assert!(next_expiry.load(Ordering::SeqCst) < now + 1_000, "more counts in a sweep than fit");
                     let locked = store.lock();
-                    let held = |n| Some(store.slot(&locked, n).0).filter(|head| head.used).map(|head| head.expires);
-                    let earliest = (0..store.slots()).filter_map(held).min();
-                    (store.guarded(&locked).next_lapse, earliest, store.guarded(&locked).changes - changes)
+                    let clean = |n| Some(store.slot(&locked, n).0).filter(|h| h.used && h.clean()).map(|h| h.expires);
+                    let earliest = (0..store.slots()).filter_map(clean).min();
+                    (now, store.guarded(&locked).next_lapse, earliest, store.guarded(&locked).changes - changes)
                 })
                 .collect();
             stop.store(true, Ordering::SeqCst);
@@ -799,7 +818,8 @@ mod tests {
             "nothing is held: the bound rises to the end of time"
         );
         assert_eq!(store.guarded(&store.lock()).sweeping, 0x7f);
-        // All eight taken: nothing tells what changed during the pass, so the bound stays where `changed` left it.
+        // All eight taken: nothing tells what turned clean during the pass, so the bound stays where `written` left
+        // it.
         new_count(&store, NS, "b", 100, 150, None);
         store.written(&store.counts(Oid::from(1), true));
         store.guarded(&store.lock()).sweeping = 0xff;
@@ -821,7 +841,7 @@ mod tests {
     }
 
     #[pg_test]
-    fn a_change_lowers_the_entry_of_every_sweep_under_way() {
+    fn a_slot_turning_clean_lowers_the_entry_of_every_sweep_under_way() {
         let (_memory, store) = store();
         {
             let locked = store.lock();
@@ -830,27 +850,48 @@ mod tests {
             h.changed_low = [i64::MAX; SWEEPS];
         }
         new_count(&store, NS, "a", 0, 40, None);
+        assert_eq!(store.guarded(&store.lock()).changed_low, [i64::MAX; SWEEPS], "dirty, no sweep frees it yet");
+        store.written(&store.counts(Oid::from(1), true));
         let mut expected = [i64::MAX; SWEEPS];
         (expected[0], expected[3]) = (40, 40);
         assert_eq!(store.guarded(&store.lock()).changed_low, expected);
     }
 
     #[pg_test]
-    fn a_count_made_in_a_chunk_the_sweep_passed_keeps_the_next_lapse_at_or_before_its_expiry() {
-        let left = sweeps_while_counts_are_made(1_000, 700);
-        let too_late = left.iter().filter(|(bound, earliest, _)| earliest.is_some_and(|e| *bound > e)).count();
-        // Such a bound has the sweeps skip a lapsed count until some later change.
-        assert_eq!(too_late, 0, "sweeps that left the next lapse after a held count's expiry");
+    fn a_lapsed_dirty_count_does_not_hold_the_bound_back() {
+        let (_memory, store) = store();
+        // Of a database no worker writes any more: dirty for good, and lapsed at 50.
+        new_count(&store, OTHER_NS, "stale", 0, 50, None);
+        new_count(&store, NS, "a", 0, 100, None);
+        store.written(&store.counts(Oid::from(1), true));
+        store.sweep(60, &[]);
+        assert_eq!(held(&store), 2, "nothing clean lapsed");
+        assert_eq!(store.guarded(&store.lock()).next_lapse, 100, "a bound at 50 would have every round sweep again");
+        // Written after all, it turns clean, lapsed: the next round's sweep frees it.
+        store.written(&store.counts(Oid::from(2), true));
+        assert_eq!(store.guarded(&store.lock()).next_lapse, 50);
+        store.sweep(61, &[]);
+        assert_eq!(held(&store), 1);
     }
 
     #[pg_test]
-    fn counts_made_during_a_sweep_let_its_bound_rise_to_their_expiry() {
-        let left = sweeps_while_counts_are_made(200, 10_000);
-        let with_counts: Vec<_> = left.iter().filter(|(_, _, made)| *made > 0).collect();
+    fn a_count_written_in_a_chunk_the_sweep_passed_keeps_the_next_lapse_at_or_before_its_expiry() {
+        let left = sweeps_while_counts_are_made(1_000);
+        let with_counts = left.iter().filter(|(_, _, _, made)| *made > 0).count();
+        assert!(with_counts >= 20, "counts were made during only {with_counts} of 1,000 sweeps");
+        let too_late = left.iter().filter(|(_, bound, earliest, _)| earliest.is_some_and(|e| *bound > e)).count();
+        // Such a bound has the sweeps skip a lapsed count until some later change.
+        assert_eq!(too_late, 0, "sweeps that left the next lapse after a clean count's expiry");
+    }
+
+    #[pg_test]
+    fn counts_written_during_a_sweep_let_its_bound_rise_to_their_expiry() {
+        let left = sweeps_while_counts_are_made(200);
+        let with_counts: Vec<_> = left.iter().filter(|(_, _, _, made)| *made > 0).collect();
         assert!(with_counts.len() >= 20, "counts were made during only {} of 200 sweeps", with_counts.len());
-        // Nothing held lapses before 10,000: a bound before it (700, where the old rule left it) would have every
-        // round sweep again.
-        let stuck = with_counts.iter().filter(|(bound, _, _)| *bound < 10_000).count();
+        // Nothing held lapses before `now` + 1: a bound before it (`now` - 100, where the old rule left it) would have
+        // every round sweep again.
+        let stuck = with_counts.iter().filter(|(now, bound, _, _)| *bound <= *now).count();
         assert_eq!(stuck, 0, "sweeps during which counts were made that kept the bound where it was");
     }
 }
