@@ -194,8 +194,8 @@ fn attempts_in_memory() -> TableIterator<
     let mut rows = Vec::with_capacity(counts.len());
     for c in counts {
         let relid = shmem::relation_of(c.ns);
-        // A count of an inbox dropped since is left out: it goes when it lapses, when its slot is taken for another
-        // id, or when the worker, finding it dirty, sweeps its inbox's counts.
+        // A count of an inbox dropped since is left out: the worker sweeps the inbox's counts once it finds one of
+        // them dirty; a clean one also goes when it lapses or when its slot is taken for another id.
         let Some(inbox) = catalog::inbox_name_of(relid) else { continue };
         if !catalog::caller_may_select(relid) {
             continue;

@@ -462,7 +462,8 @@ impl Store {
     // The lock (held, as the `Locked` passed in proves) makes the access exclusive; each caller keeps the
     // reference only while it works on that part of the store, never two of the same part at once.
     #[allow(clippy::mut_from_ref)]
-    fn guarded(&self, _: &Locked) -> &mut Guarded {
+    fn guarded(&self, locked: &Locked) -> &mut Guarded {
+        debug_assert!(std::ptr::eq(locked.0, self), "the lock of another store");
         // SAFETY: the lock is held: no other process or thread reads or writes these fields meanwhile.
         unsafe { &mut *self.header().guarded.get() }
     }
@@ -730,14 +731,16 @@ mod tests {
 
     /// Runs `sweeps` sweeps over a store of many chunks while a second thread, standing for backends and their
     /// worker, makes counts and writes them at once (clean) whenever a sweep runs. Sweep `i` runs at `now` =
-    /// 1,000 × (i + 1): before it a count of the first thread's lapses at `now` - 100, so that it runs; the counts made
-    /// meanwhile expire at `now` + 1, `now` + 2, ... in the order they are written, so that the next sweep frees them,
-    /// and so that one written after the sweep's end (the last of a sweep's counts often is), which lowers the bound
-    /// to its own expiry, cannot hide a bound the sweep left after an earlier one's. For each sweep: `now`, the bound
-    /// it left, the earliest expiry of a clean slot then, and the counts made meanwhile (during its pass or around
-    /// it: which of them landed in a chunk already passed, the test cannot tell). One sweep at a time, so each takes
-    /// the first entry: the tests below are of what one sweep leaves. A harness whose counts all expired alike missed
-    /// the bug below: nearly every sweep's bound was lowered again by a count written after it.
+    /// (i + 1) × 2^32: before it a count of the first thread's lapses at `now` - 100, so that it runs, and the search
+    /// for a free slot starts again at the first one. The second thread waits for the pass's first eviction (what
+    /// lapsed sits in the first chunk, which the pass holds the lock for at once), so that its counts land in a chunk
+    /// the pass has left, which only the sweep's entry accounts for. They expire at `now` + 1, `now` + 2, ... in the order they are written, so that the next sweep
+    /// frees them, and so that one written after the sweep's end (the last of a sweep's counts often is), which
+    /// lowers the bound to its own expiry, cannot hide a bound the sweep left after an earlier one's. For each sweep:
+    /// `now`, the bound it left, the earliest expiry of a clean slot then, and the counts made meanwhile (during its
+    /// pass or around it: which of them landed in a chunk already passed, the test cannot tell). One sweep at a time,
+    /// so each takes the first entry: the tests below are of what one sweep leaves. A harness whose counts all
+    /// expired alike missed the bug below: nearly every sweep's bound was lowered again by a count written after it.
     fn sweeps_while_counts_are_made(sweeps: usize) -> Vec<(i64, i64, Option<i64>, u64)> {
         let max = 32 * PASS_CHUNK;
         let mut memory = vec![0u64; size(max) / 8 + 1];
@@ -745,6 +748,7 @@ mod tests {
         let store = unsafe { Store::at(memory.as_mut_ptr() as *mut u8, max) };
         let (sweeping, idle, stop) = (AtomicBool::new(false), AtomicBool::new(true), AtomicBool::new(false));
         let next_expiry = std::sync::atomic::AtomicI64::new(0);
+        let evicted_before = AtomicU64::new(0);
         // A new count of `id`, written at once (clean). Tried again while slots are being freed, as a backend reads
         // the durable table again then.
         let attempted = |id: String, now: i64, expires: i64| {
@@ -764,7 +768,8 @@ mod tests {
                     // Busy before looking again, so that the sweeper, once it stopped sweeping, waits for this
                     // attempt to be over (both orders are SeqCst).
                     idle.store(false, Ordering::SeqCst);
-                    if !sweeping.load(Ordering::SeqCst) {
+                    let passing = store.evictions() > evicted_before.load(Ordering::SeqCst);
+                    if !sweeping.load(Ordering::SeqCst) || !passing {
                         idle.store(true, Ordering::SeqCst);
                         std::hint::spin_loop();
                         continue;
@@ -775,9 +780,11 @@ mod tests {
             });
             let left = (0..sweeps)
                 .map(|i| {
-                    let now = 1_000 * (i as i64 + 1);
+                    let now = (i as i64 + 1) << 32;
                     attempted(format!("a{i}"), now - 200, now - 100);
+                    store.guarded(&store.lock()).hands[0] = 0;
                     next_expiry.store(now + 1, Ordering::SeqCst);
+                    evicted_before.store(store.evictions(), Ordering::SeqCst);
                     let changes = store.changes();
                     sweeping.store(true, Ordering::SeqCst);
                     store.sweep(now, &[]);
@@ -785,7 +792,6 @@ mod tests {
                     while !idle.load(Ordering::SeqCst) {
                         std::hint::spin_loop();
                     }
-                    assert!(next_expiry.load(Ordering::SeqCst) < now + 1_000, "more counts in a sweep than fit");
                     let locked = store.lock();
                     let clean = |n| Some(store.slot(&locked, n).0).filter(|h| h.used && h.clean()).map(|h| h.expires);
                     let earliest = (0..store.slots()).filter_map(clean).min();
@@ -886,9 +892,9 @@ mod tests {
 
     #[pg_test]
     fn counts_written_during_a_sweep_let_its_bound_rise_to_their_expiry() {
-        let left = sweeps_while_counts_are_made(200);
+        let left = sweeps_while_counts_are_made(1_000);
         let with_counts: Vec<_> = left.iter().filter(|(_, _, _, made)| *made > 0).collect();
-        assert!(with_counts.len() >= 20, "counts were made during only {} of 200 sweeps", with_counts.len());
+        assert!(with_counts.len() >= 20, "counts were made during only {} of 1,000 sweeps", with_counts.len());
         // Nothing held lapses before `now` + 1: a bound before it (`now` - 100, where the old rule left it) would have
         // every round sweep again.
         let stuck = with_counts.iter().filter(|(now, bound, _, _)| *bound <= *now).count();
