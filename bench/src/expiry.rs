@@ -7,8 +7,10 @@ use crate::{alternate, alternate_samples, median, timed, verbose, Goal, Row, Sca
 use pg_dedup_harness::postgres::Client;
 use std::time::{Duration, Instant};
 
-/// The worker against the hand-written batched DELETE, on a backlog and in the steady state.
-const PURGE_GOAL: Goal = Goal::AtLeast(1.0);
+/// The worker against the hand-written batched DELETE, on a backlog and in the steady state (issue 23's goals: 1.2×,
+/// and no less than the 1.19× the steady state had when it was filed).
+const BACKLOG_GOAL: Goal = Goal::AtLeast(1.2);
+const STEADY_GOAL: Goal = Goal::AtLeast(1.19);
 /// Foreground mark() p99 while the worker purges, against idle.
 const P99_GOAL: Goal = Goal::AtMost(1.3);
 /// `dedup.purge_batch_delay`'s default.
@@ -131,7 +133,7 @@ pub fn scenarios(c: &mut Client, pgbench: &Pgbench, scale: &Scale) -> Vec<Row> {
             ("ctid-batched DELETE", raw),
             "rows/s",
         )
-        .goal(PURGE_GOAL),
+        .goal(BACKLOG_GOAL),
     );
     rows.extend(under_load(c, pgbench, scale));
 
@@ -299,7 +301,7 @@ fn under_load(c: &mut Client, pgbench: &Pgbench, scale: &Scale) -> Vec<Row> {
     };
     vec![
         Row::new(&format!("purge of a {at}"), ("purge worker", worker.0), ("ctid-batched DELETE", raw.0), "rows/s")
-            .goal(PURGE_GOAL),
+            .goal(STEADY_GOAL),
         latency("the worker (default pace) purges", "worker purging", paced, false),
         latency("the worker (default pace) purges", "worker purging", paced, true).goal(P99_GOAL),
         latency("the worker (no pause) purges", "worker purging", worker, true),
