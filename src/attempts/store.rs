@@ -635,9 +635,10 @@ impl Store {
             if !head.used {
                 return;
             }
-            if (head.clean() && head.expires <= now) || gone.contains(&head.ns) {
+            let clean = head.clean();
+            if (clean && head.expires <= now) || gone.contains(&head.ns) {
                 self.evict(locked, n);
-            } else if head.clean() {
+            } else if clean {
                 next_lapse = next_lapse.min(head.expires);
             }
         });
@@ -677,6 +678,14 @@ mod tests {
 
     fn held(store: &Store) -> usize {
         store.counts(Oid::from(1), false).len() + store.counts(Oid::from(2), false).len()
+    }
+
+    /// Sweeps under way, as `sweeping`'s bits say, each of whose entries holds `low`.
+    fn under_way(store: &Store, sweeping: u8, low: i64) {
+        let locked = store.lock();
+        let h = store.guarded(&locked);
+        h.sweeping = sweeping;
+        h.changed_low = [low; SWEEPS];
     }
 
     fn new_count(store: &Store, ns: u64, id: &str, now: i64, expires: i64, durable: Option<Durable>) -> u32 {
@@ -734,13 +743,14 @@ mod tests {
     /// (i + 1) × 2^32: before it a count of the first thread's lapses at `now` - 100, so that it runs, and the search
     /// for a free slot starts again at the first one. The second thread waits for the pass's first eviction (what
     /// lapsed sits in the first chunk, which the pass holds the lock for at once), so that its counts land in a chunk
-    /// the pass has left, which only the sweep's entry accounts for. They expire at `now` + 1, `now` + 2, ... in the order they are written, so that the next sweep
-    /// frees them, and so that one written after the sweep's end (the last of a sweep's counts often is), which
-    /// lowers the bound to its own expiry, cannot hide a bound the sweep left after an earlier one's. For each sweep:
-    /// `now`, the bound it left, the earliest expiry of a clean slot then, and the counts made meanwhile (during its
-    /// pass or around it: which of them landed in a chunk already passed, the test cannot tell). One sweep at a time,
-    /// so each takes the first entry: the tests below are of what one sweep leaves. A harness whose counts all
-    /// expired alike missed the bug below: nearly every sweep's bound was lowered again by a count written after it.
+    /// the pass has left, which only the sweep's entry accounts for. They expire at `now` + 1, `now` + 2, ... in the
+    /// order they are written, so that the next sweep frees them, and so that one written after the sweep's end (the
+    /// last of a sweep's counts often is), which lowers the bound to its own expiry, cannot hide a bound the sweep
+    /// left after an earlier one's. For each sweep: `now`, the bound it left, the earliest expiry of a clean slot
+    /// then, and the counts made meanwhile (during its pass or around it: which of them landed in a chunk already
+    /// passed, the test cannot tell). One sweep at a time, so each takes the first entry: the tests below are of what
+    /// one sweep leaves. A harness whose counts all expired alike missed the bug below: nearly every sweep's bound
+    /// was lowered again by a count written after it.
     fn sweeps_while_counts_are_made(sweeps: usize) -> Vec<(i64, i64, Option<i64>, u64)> {
         let max = 32 * PASS_CHUNK;
         let mut memory = vec![0u64; size(max) / 8 + 1];
@@ -810,12 +820,7 @@ mod tests {
         store.written(&store.counts(Oid::from(1), true));
         // Seven sweeps under way, whose entries hold an expiry long past: this one takes the eighth entry (a bound
         // taken from theirs would stay at 0), and gives it back.
-        {
-            let locked = store.lock();
-            let h = store.guarded(&locked);
-            h.sweeping = 0x7f;
-            h.changed_low = [0; SWEEPS];
-        }
+        under_way(&store, 0x7f, 0);
         store.sweep(100, &[]);
         assert_eq!(held(&store), 0);
         assert_eq!(
@@ -849,12 +854,7 @@ mod tests {
     #[pg_test]
     fn a_slot_turning_clean_lowers_the_entry_of_every_sweep_under_way() {
         let (_memory, store) = store();
-        {
-            let locked = store.lock();
-            let h = store.guarded(&locked);
-            h.sweeping = 0b1001;
-            h.changed_low = [i64::MAX; SWEEPS];
-        }
+        under_way(&store, 0b1001, i64::MAX);
         new_count(&store, NS, "a", 0, 40, None);
         assert_eq!(store.guarded(&store.lock()).changed_low, [i64::MAX; SWEEPS], "dirty, no sweep frees it yet");
         store.written(&store.counts(Oid::from(1), true));
