@@ -6,7 +6,8 @@
 //!
 //! BENCH_QUICK=1 runs fewer rounds on smaller inputs (about four minutes); BENCH_ONLY=clients,growth runs only the
 //! sections named (filter, expiry, clients, attempts, idempotency, ingest, instructions, citus, restart, growth)
-//! and writes its results beside the full run's, in bench/results/only/<sections>/ (<sections>-pg18/ on PostgreSQL 18; latest.* stay the full run's); BENCH_VERBOSE=1 prints every client-side run.
+//! and writes its results beside the full run's, in bench/results/only/<sections>/ (<sections>-pg18/ on PostgreSQL 18; latest.* stay the full run's); BENCH_VERBOSE=1 prints every client-side run;
+//! BENCH_ROUNDS=N sets the number of alternating rounds (full mode: 5).
 
 mod attempts;
 mod chart;
@@ -189,7 +190,7 @@ pub fn timed(c: &mut Client, sql: &str, work: i64) -> f64 {
 fn main() {
     let started = Instant::now();
     let quick = std::env::var("BENCH_QUICK").is_ok_and(|v| v == "1");
-    let scale = if quick {
+    let mut scale = if quick {
         Scale {
             rounds: 3,
             preload: 50_000,
@@ -238,6 +239,12 @@ fn main() {
             callgrind_calls: 1000,
         }
     };
+    // BENCH_ROUNDS=15: more alternating rounds than the mode's, for rows whose ratio moves more between runs than
+    // the difference being measured (the machine's description records the number used).
+    if let Ok(rounds) = std::env::var("BENCH_ROUNDS") {
+        scale.rounds =
+            rounds.parse().ok().filter(|&r| r > 0).expect("BENCH_ROUNDS: a whole number of rounds, 1 or more");
+    }
     // BENCH_ONLY=clients,growth runs only those sections (its results go to results/only/clients+growth/).
     let only = std::env::var("BENCH_ONLY").ok();
     let runs = |section: &str| only.as_deref().is_none_or(|o| o.split(',').any(|s| s.trim() == section));
