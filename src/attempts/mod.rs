@@ -309,11 +309,12 @@ pub fn make_durable() {
     thread_local! {
         /// When a failed round was last logged: a round that keeps failing is logged once a minute, not every time.
         static LOGGED: Cell<Option<std::time::Instant>> = const { Cell::new(None) };
-        /// `Store::changes` as it was before the last round that left no count of this database dirty.
+        /// `Store::changes` of this database as it was before the last round that left no count of it dirty.
         static CLEAN_AS_OF: Cell<Option<u64>> = const { Cell::new(None) };
     }
     let Some(store) = shmem::region().map(|r| r.attempts()) else { return };
-    let changes = store.changes();
+    // SAFETY: reads a backend global, set once connected.
+    let changes = store.changes(unsafe { pg_sys::MyDatabaseId });
     if CLEAN_AS_OF.get() == Some(changes) {
         sweep_lapsed(store);
         return;

@@ -13,8 +13,9 @@
 //! eviction bumps `evictions`: a caller that read an id's durable count before taking the lock knows, by it, whether
 //! that count may have gone stale meanwhile (the id's slot flushed and evicted in between).
 //!
-//! The worker's passes run only when they may find something: the copy of dirty counts when some count (of any
-//! database) changed since a round that left none of its database dirty (`changes`), the sweep once the earliest
+//! The worker's passes run only when they may find something: the copy of dirty counts when some count of its
+//! database changed since a round that left none of its database dirty (`changes`, counted per database: a busy
+//! database does not have every other database's worker copy in every round), the sweep once the earliest
 //! expiry of a clean slot may have come (`next_lapse`). An idle store costs the worker two takings of the lock per
 //! round, not two reads of every slot (1,000,000 slots, about 240 MB, took ~13 ms per pass). Dirty slots, which no
 //! sweep frees, do not hold the bound back (a lapsed one the worker cannot write, of a database it no longer serves,
@@ -127,9 +128,10 @@ struct Guarded {
     filled: u32,
     /// Where the next search for a slot to take starts, among the short slots and among the long ones (a clock).
     hands: [u32; 2],
-    /// Changes of a count (attempts and forgets, in any database) so far: a worker's pass for dirty counts finds
-    /// none while this is what it was before a round of that worker's that left none of its database dirty.
-    changes: u64,
+    /// Changes of a count (attempts and forgets) so far, in the databases of each bucket (`bucket`): a worker's pass
+    /// for dirty counts finds none while its database's bucket holds what it did before a round of that worker's
+    /// that left none of its database dirty.
+    changes: [u64; CHANGE_BUCKETS],
     /// No clean slot expires before this (it may be lower than the earliest such expiry, never higher): a sweep
     /// before it would free nothing. Zero, when the memory is created: the first sweep runs.
     next_lapse: i64,
@@ -139,6 +141,16 @@ struct Guarded {
     /// For each sweep under way, the earliest expiry of a slot that turned clean since it began: what its pass may
     /// not have seen.
     changed_low: [i64; SWEEPS],
+}
+
+/// Buckets of `Guarded::changes`. Databases whose oids agree modulo this share one, and so each other's copy passes
+/// (a pass finds nothing of its own then, at the cost of a read of every slot); a cluster has rarely more than a few
+/// databases with workers.
+const CHANGE_BUCKETS: usize = 64;
+
+/// The bucket of `Guarded::changes` that counts the changes of database `db`.
+fn bucket(db: pgrx::pg_sys::Oid) -> usize {
+    db.to_u32() as usize % CHANGE_BUCKETS
 }
 
 /// Sweeps that may be under way at once, each with what changed since it began; one more leaves the bound no later
@@ -358,14 +370,14 @@ impl Store {
         // one at the top): the row's last attempt and window changed.
         head.flushed = u32::MAX;
         let count = head.count;
-        self.changed(&locked);
+        self.changed(&locked, ns);
         Some(count)
     }
 
-    /// A count changed under `locked`, and its slot is dirty: see `changes`. (Its expiry does not concern the
-    /// sweeps until the slot turns clean: `cleaned`.)
-    fn changed(&self, locked: &Locked) {
-        self.guarded(locked).changes += 1;
+    /// A count of inbox `ns` changed under `locked`, and its slot is dirty: see `changes`. (Its expiry does not
+    /// concern the sweeps until the slot turns clean: `cleaned`.)
+    fn changed(&self, locked: &Locked, ns: u64) {
+        self.guarded(locked).changes[bucket(crate::shmem::database_of(ns))] += 1;
     }
 
     /// A slot turned clean under `locked`, expiring at `expires`: a sweep may free it from then on (see `next_lapse`
@@ -380,9 +392,9 @@ impl Store {
         }
     }
 
-    /// How many times a count changed so far (`Guarded::changes`).
-    pub fn changes(&self) -> u64 {
-        self.guarded(&self.lock()).changes
+    /// How many times a count of database `db` (or of a database in its bucket) changed so far (`Guarded::changes`).
+    pub fn changes(&self, db: pgrx::pg_sys::Oid) -> u64 {
+        self.guarded(&self.lock()).changes[bucket(db)]
     }
 
     /// How many slots were freed for other ids so far: read before the durable count, compared by `bump_new`.
@@ -433,7 +445,7 @@ impl Store {
         };
         slot_id[..bytes.len()].copy_from_slice(bytes);
         self.link(&locked, hash, n);
-        self.changed(&locked);
+        self.changed(&locked, ns);
         Ok(Some(count))
     }
 
@@ -585,7 +597,7 @@ impl Store {
                 };
                 slot_id[..bytes.len()].copy_from_slice(bytes);
                 self.link(&locked, hash, n);
-                self.changed(&locked);
+                self.changed(&locked, ns);
                 return Ok(());
             }
         };
@@ -595,7 +607,7 @@ impl Store {
         head.count = 0;
         head.first = now;
         head.expires = now;
-        self.changed(&locked);
+        self.changed(&locked, ns);
         Ok(())
     }
 
@@ -795,7 +807,7 @@ mod tests {
                     store.guarded(&store.lock()).hands[0] = 0;
                     next_expiry.store(now + 1, Ordering::SeqCst);
                     evicted_before.store(store.evictions(), Ordering::SeqCst);
-                    let changes = store.changes();
+                    let changes = store.changes(Oid::from(1));
                     sweeping.store(true, Ordering::SeqCst);
                     store.sweep(now, &[]);
                     sweeping.store(false, Ordering::SeqCst);
@@ -805,7 +817,7 @@ mod tests {
                     let locked = store.lock();
                     let clean = |n| Some(store.slot(&locked, n).0).filter(|h| h.used && h.clean()).map(|h| h.expires);
                     let earliest = (0..store.slots()).filter_map(clean).min();
-                    (now, store.guarded(&locked).next_lapse, earliest, store.guarded(&locked).changes - changes)
+                    (now, store.guarded(&locked).next_lapse, earliest, store.guarded(&locked).changes[1] - changes)
                 })
                 .collect();
             stop.store(true, Ordering::SeqCst);
@@ -861,6 +873,21 @@ mod tests {
         let mut expected = [i64::MAX; SWEEPS];
         (expected[0], expected[3]) = (40, 40);
         assert_eq!(store.guarded(&store.lock()).changed_low, expected);
+    }
+
+    #[pg_test]
+    fn a_change_is_counted_for_its_own_database() {
+        let (_memory, store) = store();
+        let (one, two) = (Oid::from(1), Oid::from(2));
+        new_count(&store, NS, "a", 0, 100, None);
+        assert_eq!((store.changes(one), store.changes(two)), (1, 0));
+        new_count(&store, OTHER_NS, "b", 0, 100, None);
+        store.bump_held(OTHER_NS, "b", 1, 100).unwrap();
+        store.reset(OTHER_NS, "b", 2).unwrap();
+        assert_eq!((store.changes(one), store.changes(two)), (1, 3), "database 1's worker has nothing to copy");
+        // A database whose oid shares database 1's bucket sees its changes (its worker copies and finds nothing).
+        store.bump_held(NS, "a", 3, 100).unwrap();
+        assert_eq!(store.changes(Oid::from(1 + CHANGE_BUCKETS as u32)), 2);
     }
 
     #[pg_test]
