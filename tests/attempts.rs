@@ -367,14 +367,22 @@ fn an_idle_store_costs_the_worker_no_pass_over_its_slots() {
     // A million slots (about 240 MB of shared memory) and a round every 100 ms: a pass over every slot takes ~13 ms
     // in a release build and more in the debug build `make test` runs, so a worker that passed over them at each
     // round (for dirty counts, for lapsed ones) would spend a good part of its time on an idle store. It passes only
-    // when a count changed or one may have lapsed. Each skip, broken on purpose alone, had this debug build's
-    // worker busy 39% (the copy) and 47% (the sweep) of the time.
+    // when a count of its database changed or one may have lapsed. Each skip, broken on purpose alone, had this
+    // debug build's worker busy 39% (the copy) and 47% (the sweep) of the time.
     let cluster = preloaded(
-        "att_idle",
+        "att_idle, att_busy",
         &["dedup.attempts_max = 1000000", "dedup.attempts_flush_interval = '100ms'", "dedup.purge = off"],
     );
+    let mut busy = cluster.fresh_db("att_busy");
+    // The changes are counted in 64 buckets by database oid: the idle database gets one of its own.
+    let oid = |c: &mut Client| c.query_one("SELECT oid::int8 FROM pg_database WHERE datname = current_database()", &[]);
+    let bucket = |c: &mut Client| oid(c).unwrap().get::<_, i64>(0) % 64;
     let mut c = cluster.fresh_db("att_idle");
+    while bucket(&mut c) == bucket(&mut busy) {
+        c = cluster.fresh_db("att_idle");
+    }
     wait_for_worker(&mut c);
+    wait_for_worker(&mut busy);
     assert_eq!(attempt(&mut c, "a"), 1);
     eventually("the count is durable", || durable(&mut c, "a") == 1);
     let pid: i32 = c.query_one("SELECT worker_pid FROM dedup.stats LIMIT 1", &[]).unwrap().get(0);
@@ -386,12 +394,38 @@ fn an_idle_store_costs_the_worker_no_pass_over_its_slots() {
     };
     // SAFETY: sysconf reads a constant of the system.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-    let (before, at) = (ticks(), Instant::now());
-    std::thread::sleep(Duration::from_secs(3));
-    let busy = (ticks() - before) as f64 / hz / at.elapsed().as_secs_f64();
+    let busy_for = |seconds: u64| {
+        let (before, at) = (ticks(), Instant::now());
+        std::thread::sleep(Duration::from_secs(seconds));
+        (ticks() - before) as f64 / hz / at.elapsed().as_secs_f64()
+    };
     // Its rounds still run (three short transactions each, ten a second): a few percent of the time, where the
     // passes took a quarter of it (release build) or more.
-    assert!(busy < 0.15, "the idle worker was busy {:.1}% of the time", busy * 100.0);
+    let idle = busy_for(3);
+    assert!(idle < 0.15, "the idle worker was busy {:.1}% of the time", idle * 100.0);
+    // Counts changing all the while in another database do not make it pass either: with one count of changes for
+    // every database (before cbdfe8e) it copied at each round, as with the copy's skip broken.
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let (while_others_count, made) = std::thread::scope(|s| {
+        let counting = s.spawn(|| {
+            let mut made = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                attempt(&mut busy, &format!("b{}", made % 100));
+                made += 1;
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            made
+        });
+        let busy = busy_for(3);
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        (busy, counting.join().unwrap())
+    });
+    assert!(made >= 50, "only {made} attempts in the other database");
+    assert!(
+        while_others_count < 0.15,
+        "the idle worker was busy {:.1}% of the time while another database counted",
+        while_others_count * 100.0
+    );
     // It still writes what changes.
     assert_eq!(attempt(&mut c, "a"), 2);
     eventually("the new count is durable", || durable(&mut c, "a") == 2);
