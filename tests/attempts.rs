@@ -379,6 +379,10 @@ fn an_idle_store_costs_the_worker_no_pass_over_its_slots() {
     let bucket = |c: &mut Client| oid(c).unwrap().get::<_, i64>(0) % 64;
     let mut c = cluster.fresh_db("att_idle");
     while bucket(&mut c) == bucket(&mut busy) {
+        // Its worker may be connected already (DROP DATABASE would wait for it): dropped by force, the database
+        // comes back with another oid (a fresh server's oids can repeat from run to run).
+        drop(c);
+        cluster.connect("postgres").batch_execute("DROP DATABASE att_idle WITH (FORCE)").unwrap();
         c = cluster.fresh_db("att_idle");
     }
     wait_for_worker(&mut c);

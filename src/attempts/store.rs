@@ -817,7 +817,12 @@ mod tests {
                     let locked = store.lock();
                     let clean = |n| Some(store.slot(&locked, n).0).filter(|h| h.used && h.clean()).map(|h| h.expires);
                     let earliest = (0..store.slots()).filter_map(clean).min();
-                    (now, store.guarded(&locked).next_lapse, earliest, store.guarded(&locked).changes[1] - changes)
+                    (
+                        now,
+                        store.guarded(&locked).next_lapse,
+                        earliest,
+                        store.guarded(&locked).changes[bucket(Oid::from(1))] - changes,
+                    )
                 })
                 .collect();
             stop.store(true, Ordering::SeqCst);
