@@ -3,7 +3,7 @@
 //! exactly by eight racing sessions; reset by forget() (when it commits), by their window passing, and purged; the
 //! privileges of the view; a standby; a full store; the Bloom filter in front of the durable table (which lets an
 //! attempt at a new id skip reading it) missing no row, however it was written; an idle store costing the worker no
-//! pass over its slots.
+//! pass over its slots, even while another database counts.
 
 use pg_dedup_harness::postgres::Client;
 use pg_dedup_tests::*;
@@ -374,15 +374,22 @@ fn an_idle_store_costs_the_worker_no_pass_over_its_slots() {
         &["dedup.attempts_max = 1000000", "dedup.attempts_flush_interval = '100ms'", "dedup.purge = off"],
     );
     let mut busy = cluster.fresh_db("att_busy");
-    // The changes are counted in 64 buckets by database oid: the idle database gets one of its own.
+    // The changes are counted in 64 buckets by database oid (`CHANGE_BUCKETS` in src/attempts/store.rs): the idle
+    // database gets one of its own.
     let oid = |c: &mut Client| c.query_one("SELECT oid::int8 FROM pg_database WHERE datname = current_database()", &[]);
     let bucket = |c: &mut Client| oid(c).unwrap().get::<_, i64>(0) % 64;
     let mut c = cluster.fresh_db("att_idle");
-    while bucket(&mut c) == bucket(&mut busy) {
-        // Its worker may be connected already (DROP DATABASE would wait for it): dropped by force, the database
-        // comes back with another oid (a fresh server's oids can repeat from run to run).
+    for shift in 1.. {
+        if bucket(&mut c) != bucket(&mut busy) {
+            break;
+        }
+        assert!(shift <= 5, "att_idle's oid stays in att_busy's bucket");
+        // A fresh server hands out oids alike in every run, and making the database again takes as many as the first
+        // time: a large object made and dropped takes one more. Its worker is connected already, so a plain DROP
+        // DATABASE (`fresh_db`'s) would fail after a few seconds: it is dropped by force.
         drop(c);
-        cluster.connect("postgres").batch_execute("DROP DATABASE att_idle WITH (FORCE)").unwrap();
+        let mut admin = cluster.connect("postgres");
+        admin.batch_execute("SELECT lo_unlink(lo_create(0)); DROP DATABASE att_idle WITH (FORCE)").unwrap();
         c = cluster.fresh_db("att_idle");
     }
     wait_for_worker(&mut c);
@@ -405,10 +412,11 @@ fn an_idle_store_costs_the_worker_no_pass_over_its_slots() {
     };
     // Its rounds still run (three short transactions each, ten a second): a few percent of the time, where the
     // passes took a quarter of it (release build) or more.
+    // The limit leaves room for this shared machine's noise (1–9% measured) below what a pass at each round costs.
     let idle = busy_for(3);
-    assert!(idle < 0.15, "the idle worker was busy {:.1}% of the time", idle * 100.0);
-    // Counts changing all the while in another database do not make it pass either: with one count of changes for
-    // every database (before cbdfe8e) it copied at each round, as with the copy's skip broken.
+    assert!(idle < 0.2, "the idle worker was busy {:.1}% of the time", idle * 100.0);
+    // Counts changing all the while in another database do not make it pass either: with one count of changes shared
+    // by every database, it copied at each round (busy 52%).
     let stop = std::sync::atomic::AtomicBool::new(false);
     let (while_others_count, made) = std::thread::scope(|s| {
         let counting = s.spawn(|| {
@@ -420,13 +428,22 @@ fn an_idle_store_costs_the_worker_no_pass_over_its_slots() {
             }
             made
         });
-        let busy = busy_for(3);
-        stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        (busy, counting.join().unwrap())
+        // Stopped however the measurement ends: a panic in it (the worker gone) must not leave the scope waiting
+        // for the counting thread.
+        struct Stop<'a>(&'a std::sync::atomic::AtomicBool);
+        impl Drop for Stop<'_> {
+            fn drop(&mut self) {
+                self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
+        let stopping = Stop(&stop);
+        let share = busy_for(3);
+        drop(stopping);
+        (share, counting.join().unwrap())
     });
     assert!(made >= 50, "only {made} attempts in the other database");
     assert!(
-        while_others_count < 0.15,
+        while_others_count < 0.2,
         "the idle worker was busy {:.1}% of the time while another database counted",
         while_others_count * 100.0
     );

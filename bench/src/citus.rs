@@ -16,6 +16,11 @@ use crate::pgbench::{Commit, Pgbench};
 use crate::{Goal, Row, Scale};
 use pg_dedup_harness::citus::{self, CitusCluster};
 use std::path::PathBuf;
+use std::sync::OnceLock;
+
+/// The Citus cluster's PostgreSQL and Citus versions, once the section has run: the machine's description names
+/// them beside the main cluster's (they differ: `make bench` runs this section on PostgreSQL 18).
+pub static VERSIONS: OnceLock<String> = OnceLock::new();
 
 pub fn scenarios(scale: &Scale) -> Vec<Row> {
     let Some(pg_config) = std::env::var_os("CITUS_PG_CONFIG").map(PathBuf::from) else {
@@ -28,6 +33,14 @@ pub fn scenarios(scale: &Scale) -> Vec<Row> {
     }
     let cluster = CitusCluster::start_of(&pg_config, "", &["max_connections = 200"]);
     let mut c = cluster.fresh_db("bench");
+    let versions = c
+        .query_one(
+            "SELECT current_setting('server_version'), extversion FROM pg_extension WHERE extname = 'citus'",
+            &[],
+        )
+        .unwrap();
+    VERSIONS
+        .get_or_init(|| format!("PostgreSQL {}, Citus {}", versions.get::<_, String>(0), versions.get::<_, String>(1)));
     c.batch_execute(
         r#"SELECT dedup.create_inbox('dist', '3 days');
            SELECT dedup.distribute_inbox('dist');

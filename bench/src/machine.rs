@@ -24,7 +24,7 @@ pub fn describe(c: &mut Client, quick: bool, scale: &Scale) -> Machine {
     let memory = first_line_with("/proc/meminfo", "MemTotal")
         .and_then(|kb| kb.trim_end_matches("kB").trim().parse::<f64>().ok())
         .map(|kb| format!("{:.1} GiB", kb / 1024.0 / 1024.0));
-    vec![
+    let mut machine = vec![
         ("cpu", first_line_with("/proc/cpuinfo", "model name").unwrap_or_else(unknown)),
         ("cores", std::thread::available_parallelism().map_or_else(|_| unknown(), |n| n.to_string())),
         ("memory", memory.unwrap_or_else(unknown)),
@@ -43,5 +43,9 @@ pub fn describe(c: &mut Client, quick: bool, scale: &Scale) -> Machine {
         ),
         ("mode", if quick { "quick (BENCH_QUICK=1)" } else { "full" }.into()),
         ("rounds", format!("medians of {} alternating rounds, {} s per client-side run", scale.rounds, scale.run_secs)),
-    ]
+    ];
+    if let Some(versions) = crate::citus::VERSIONS.get() {
+        machine.insert(5, ("citus cluster", versions.clone()));
+    }
+    machine
 }

@@ -7,7 +7,7 @@
 //! BENCH_QUICK=1 runs fewer rounds on smaller inputs (about four minutes); BENCH_ONLY=clients,growth runs only the
 //! sections named (filter, expiry, clients, attempts, idempotency, ingest, instructions, citus, restart, growth)
 //! and writes its results beside the full run's, in bench/results/only/<sections>/ (<sections>-pg18/ on PostgreSQL 18; latest.* stay the full run's); BENCH_VERBOSE=1 prints every client-side run;
-//! BENCH_ROUNDS=N sets the number of alternating rounds (full mode: 5).
+//! BENCH_ROUNDS=N sets the number of alternating rounds (full mode 5, quick 3; the restart section takes at most 3).
 
 mod attempts;
 mod chart;
@@ -242,8 +242,11 @@ fn main() {
     // BENCH_ROUNDS=15: more alternating rounds than the mode's, for rows whose ratio moves more between runs than
     // the difference being measured (the machine's description records the number used).
     if let Ok(rounds) = std::env::var("BENCH_ROUNDS") {
-        scale.rounds =
-            rounds.parse().ok().filter(|&r| r > 0).expect("BENCH_ROUNDS: a whole number of rounds, 1 or more");
+        scale.rounds = rounds
+            .parse()
+            .ok()
+            .filter(|&r| r > 0)
+            .unwrap_or_else(|| panic!("BENCH_ROUNDS={rounds:?}: a whole number of rounds, 1 or more"));
     }
     // BENCH_ONLY=clients,growth runs only those sections (its results go to results/only/clients+growth/).
     let only = std::env::var("BENCH_ONLY").ok();

@@ -303,8 +303,8 @@ pub fn purge_batch(inbox: &Inbox, now: TimestampWithTimeZone, limit: i64) -> i64
 }
 
 /// The worker's round: writes the counts of this database that changed since it last wrote them, in a transaction of
-/// its own (as the worker, a superuser), then lets their slots serve other ids. While no count changed since a round
-/// that left none of this database dirty, there is nothing to write: only lapsed counts to sweep, when some are due.
+/// its own (as the worker, a superuser), then lets their slots serve other ids. While no count of this database changed
+/// since a round that left none of it dirty, there is nothing to write: only lapsed counts to sweep, when some are due.
 pub fn make_durable() {
     thread_local! {
         /// When a failed round was last logged: a round that keeps failing is logged once a minute, not every time.
