@@ -389,7 +389,9 @@ fn an_idle_store_costs_the_worker_no_pass_over_its_slots() {
         // DATABASE (`fresh_db`'s) would fail after a few seconds: it is dropped by force.
         drop(c);
         let mut admin = cluster.connect("postgres");
-        admin.batch_execute("SELECT lo_unlink(lo_create(0)); DROP DATABASE att_idle WITH (FORCE)").unwrap();
+        admin.batch_execute("SELECT lo_unlink(lo_create(0))").unwrap();
+        // A statement of its own: DROP DATABASE refuses to run in a batch's implicit transaction.
+        admin.batch_execute("DROP DATABASE att_idle WITH (FORCE)").unwrap();
         c = cluster.fresh_db("att_idle");
     }
     wait_for_worker(&mut c);
