@@ -50,8 +50,8 @@ demo: setup
 export PGRX_TESTS ?= 1
 export INTEGRATION_TESTS ?= 1
 test: setup
-	@echo "== the Bloom filter itself (property tests, no server)"
-	@cargo test -q -p pg_dedup_bloom
+	@echo "== the Bloom filter itself (property tests, no server), and the benchmark's own logic"
+	@cargo test -q -p pg_dedup_bloom -p pg_dedup_bench
 	@for v in $(PG_VERSIONS); do \
 	  if [ "$(PGRX_TESTS)" = 1 ]; then \
 	    echo "== PostgreSQL $$v: cargo pgrx test"; \
