@@ -1,7 +1,7 @@
 //! `make bench`: pg_dedup against its baselines, side by side in one run on one throwaway cluster.
 //!
-//! Every scenario runs its two variants alternately (A, B, A, B, ...) and reports medians and their ratio, so the
-//! machine's noise hits both sides alike. Results are printed and written to bench/results/latest.json, .md (the
+//! Every scenario runs its variants alternately (A, B, B, A, A, B, ...: odd rounds in reverse) and reports medians
+//! and their ratio, so the machine's noise hits both sides alike. Results are printed and written to bench/results/latest.json, .md (the
 //! table, for GitHub) and .svg (the ratios and the growth curve).
 //!
 //! BENCH_QUICK=1 runs fewer rounds on smaller inputs (about four minutes); BENCH_ONLY=clients,growth runs only the
