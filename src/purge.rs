@@ -6,8 +6,8 @@
 //! of up to `limit` expired rows — no row locks — under a 1 ms lock_timeout; if some row is held, that attempt fails
 //! and is undone, and the batch is redone with `FOR UPDATE SKIP LOCKED`, which passes over held rows. The
 //! background worker runs each batch in a transaction of its own, so undoing a failed attempt is rolling back that
-//! transaction; `dedup.purge()` runs batches in the caller's transaction and wraps each attempt in a subtransaction
-//! instead (while the backend has room for one).
+//! transaction; `dedup.purge()` runs in the caller's transaction: directly, in one walk of the btree; through SQL,
+//! batch after batch, each attempt wrapped in a subtransaction (while the backend has room for one).
 
 use crate::clock::statement_now;
 use crate::errors::server_log;
@@ -58,23 +58,23 @@ pub fn purge_batch(inbox: &Inbox, now: TimestampWithTimeZone, limit: i64, held: 
     deleted
 }
 
-/// One batch inside the caller's transaction: directly where the table allows, else the quick attempt in a
-/// subtransaction, then skipping held rows. Once the backend's subtransaction cache is half full (a purge of many
-/// batches), only the latter: each batch's subtransaction would otherwise stay in it, and past 64 the cache
-/// overflows.
+/// One batch through SQL inside the caller's transaction: the quick attempt in a subtransaction, then skipping held
+/// rows. Once the backend's subtransaction cache is half full (a purge of many batches), only the latter: each
+/// batch's subtransaction would otherwise stay in it, and past 64 the cache overflows.
 fn purge_batch_in_place(inbox: &Inbox, now: TimestampWithTimeZone, limit: i64) -> i64 {
-    if let Some(deleted) = purge_directly(inbox, now, limit, false) {
-        return deleted;
-    }
     let quick = || xact::unless_it_waits(|| purge_batch(inbox, now, limit, HeldRows::WaitBriefly));
     xact::has_room().then(quick).flatten().unwrap_or_else(|| purge_batch(inbox, now, limit, HeldRows::Skip))
 }
 
 /// Deletes up to `limit` expired marks of `inbox` (all of them when `None`), then as many of its expired positions
-/// (`advance()`), batch after batch, in the current transaction. Returns how many were deleted.
+/// (`advance()`), in the current transaction. Returns how many were deleted.
 pub fn purge_inbox(inbox: &Inbox, limit: Option<i64>) -> i64 {
     let now = statement_now();
-    let mut deleted = in_batches(limit, |want| purge_batch_in_place(inbox, now, want));
+    // Directly in one walk of the expires_at btree, not batch after batch: rows this transaction deleted keep their
+    // index entries until it ends (no scan may skip them before), so each batch's walk would step again over the
+    // entries of every batch before it; 500,000 expired marks took 13.25 M entries read and 4x the time.
+    let mut deleted = purge_directly(inbox, now, limit.unwrap_or(i64::MAX), false)
+        .unwrap_or_else(|| in_batches(limit, |want| purge_batch_in_place(inbox, now, want)));
     for (_, purge) in KEPT_APART {
         deleted += in_batches(limit.map(|l| l - deleted), |want| purge(inbox, now, want));
     }
@@ -268,9 +268,20 @@ mod tests {
     #[pg_test]
     fn purge_works_through_batches_and_counts_what_it_deleted() {
         expired_inbox("batches", 25_000, 10);
-        assert_eq!(one::<i64>("SELECT dedup.purge('batches')"), 25_000, "three batches of at most 10,000");
+        assert_eq!(one::<i64>("SELECT dedup.purge('batches')"), 25_000, "more than a batch of 10,000");
         assert_eq!(count("dedup.inbox_batches"), 10);
         assert_eq!(one::<i64>("SELECT purged FROM dedup.stats WHERE inbox = 'batches'"), 25_000);
+    }
+
+    #[pg_test]
+    fn purge_walks_the_expiry_btree_once() {
+        expired_inbox("walked", 25_000, 10);
+        let read =
+            || one::<i64>("SELECT pg_stat_get_xact_tuples_returned('dedup.inbox_walked_expires_at_idx'::regclass)");
+        let before = read();
+        assert_eq!(one::<i64>("SELECT dedup.purge('walked')"), 25_000);
+        // Batch after batch, each walk would read the entries of the rows the walks before it deleted: 55,000.
+        assert!(read() - before <= 25_011, "{} index entries read to purge 25,000 marks", read() - before);
     }
 
     #[pg_test]
