@@ -69,10 +69,13 @@ fn purge_batch_in_place(inbox: &Inbox, now: TimestampWithTimeZone, limit: i64) -
 /// Deletes up to `limit` expired marks of `inbox` (all of them when `None`), then as many of its expired positions
 /// (`advance()`), in the current transaction. Returns how many were deleted.
 pub fn purge_inbox(inbox: &Inbox, limit: Option<i64>) -> i64 {
+    if limit == Some(0) {
+        return 0;
+    }
     let now = statement_now();
     // Directly in one walk of the expires_at btree, not batch after batch: rows this transaction deleted keep their
     // index entries until it ends (no scan may skip them before), so each batch's walk would step again over the
-    // entries of every batch before it; 500,000 expired marks took 13.25 M entries read and 4x the time.
+    // entries of every batch before it; 500,000 expired marks took 13.25 M entries read and 5x the time.
     let mut deleted = purge_directly(inbox, now, limit.unwrap_or(i64::MAX), false)
         .unwrap_or_else(|| in_batches(limit, |want| purge_batch_in_place(inbox, now, want)));
     for (_, purge) in KEPT_APART {
@@ -282,6 +285,17 @@ mod tests {
         assert_eq!(one::<i64>("SELECT dedup.purge('walked')"), 25_000);
         // Batch after batch, each walk would read the entries of the rows the walks before it deleted: 55,000.
         assert!(read() - before <= 25_011, "{} index entries read to purge 25,000 marks", read() - before);
+    }
+
+    #[pg_test]
+    fn purge_of_no_rows_deletes_nothing_and_checks_nothing() {
+        expired_inbox("nothing", 3, 0);
+        // A table published for deletes without a replica identity refuses any delete (55000): a purge of at most
+        // zero rows must not start one.
+        run("ALTER TABLE dedup.inbox_nothing REPLICA IDENTITY NOTHING;
+             CREATE PUBLICATION purge_nothing FOR TABLE dedup.inbox_nothing");
+        assert_eq!(one::<i64>("SELECT dedup.purge('nothing', 0)"), 0);
+        assert_eq!(count("dedup.inbox_nothing"), 3);
     }
 
     #[pg_test]
