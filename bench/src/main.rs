@@ -1,7 +1,8 @@
 //! `make bench`: pg_dedup against its baselines, side by side in one run on one throwaway cluster.
 //!
-//! Every scenario runs its variants alternately (A, B, B, A, A, B, ...: odd rounds in reverse) and reports medians
-//! and their ratio, so the machine's noise hits both sides alike. Results are printed and written to bench/results/latest.json, .md (the
+//! Every scenario runs its variants alternately (A, B, B, A, A, B, ...; with more than two, in an order that changes
+//! from round to round, `round_order`) and reports medians and their ratio, so the machine's noise hits both sides
+//! alike. Results are printed and written to bench/results/latest.json, .md (the
 //! table, for GitHub) and .svg (the ratios and the growth curve).
 //!
 //! BENCH_QUICK=1 runs fewer rounds on smaller inputs (about four minutes); BENCH_ONLY=clients,growth runs only the
@@ -158,21 +159,38 @@ pub fn median(mut xs: Vec<f64>) -> f64 {
 }
 
 /// Runs `round(variant, round_number)` for each of `variants` in turn, `rounds` times over; every sample, per
-/// variant. Even rounds run the variants in order, odd rounds in reverse (0 1 2 3, 3 2 1 0, 0 1 2 3, ...): a run
-/// leaves work behind it (autovacuum of the rows it inserted, dirty buffers to write, WAL to flush) that lands on
-/// the runs after it, so with one fixed order a side that always follows a writing side (100% duplicates after 20%)
-/// pays for it in every round, and one that always follows a side writing nothing never does. Round 0 runs in
-/// order: a variant that uses what an earlier one measured (a window's length) finds it from that round on.
+/// variant, in round order. Each round runs the variants in the order `round_order` gives it.
 pub fn alternate_samples<T>(rounds: usize, variants: usize, mut round: impl FnMut(usize, usize) -> T) -> Vec<Vec<T>> {
     let mut samples: Vec<Vec<T>> = (0..variants).map(|_| Vec::new()).collect();
     for r in 0..rounds {
-        let order: Box<dyn Iterator<Item = usize>> =
-            if r % 2 == 0 { Box::new(0..variants) } else { Box::new((0..variants).rev()) };
-        for variant in order {
+        for variant in round_order(variants, r) {
             samples[variant].push(round(variant, r));
         }
     }
     samples
+}
+
+/// The order in which round `round` runs `n` variants: a row of a balanced Latin square (Williams' design), so that
+/// over `n` rounds (`2n` when `n` is odd) each variant runs right after each other one equally often. A run leaves
+/// work behind it (autovacuum of the rows it inserted, dirty buffers to write, WAL to flush) that lands on the run
+/// after it: with one fixed order, a side that always follows a writing side (100% duplicates after 20%) pays for
+/// it in every round, and one that always follows a side writing nothing never does. For two variants this is
+/// A B, B A, A B, ... The rows are relabelled so that round 0 runs 0, 1, ..., n-1: a variant that uses what an
+/// earlier one of its round measured (a window's length) finds it from round 0 on, later from an earlier round.
+fn round_order(n: usize, round: usize) -> Vec<usize> {
+    // Williams' first row, 0, 1, n-1, 2, n-2, ...; row r adds r to each entry (mod n); for odd n, rows n..2n-1
+    // are rows 0..n-1 reversed.
+    let first: Vec<usize> = (0..n).map(|i| if i % 2 == 1 { i.div_ceil(2) } else { (n - i / 2) % n }).collect();
+    let mut relabel = vec![0; n];
+    for (i, &v) in first.iter().enumerate() {
+        relabel[v] = i;
+    }
+    let shift = round % n;
+    let mut order: Vec<usize> = first.iter().map(|&v| relabel[(v + shift) % n]).collect();
+    if n % 2 == 1 && (round / n) % 2 == 1 {
+        order.reverse();
+    }
+    order
 }
 
 /// Runs `round(variant, round_number)` for variants 0 and 1 alternately; each returns a rate. Medians of both.
@@ -327,14 +345,37 @@ mod tests {
     use super::*;
 
     #[test]
-    fn odd_rounds_run_the_variants_in_reverse() {
+    fn every_variant_follows_every_other_equally_often() {
+        for n in 1..=6 {
+            let period = if n % 2 == 0 { n } else { 2 * n };
+            let mut follows = vec![vec![0; n]; n];
+            for round in 0..period {
+                let order = round_order(n, round);
+                let mut sorted = order.clone();
+                sorted.sort();
+                assert_eq!(sorted, (0..n).collect::<Vec<_>>(), "round {round} of {n} runs each variant once");
+                for pair in order.windows(2) {
+                    follows[pair[1]][pair[0]] += 1;
+                }
+            }
+            assert_eq!(round_order(n, 0), (0..n).collect::<Vec<_>>(), "round 0 runs the variants in order");
+            let times = if n % 2 == 0 { 1 } else { 2 };
+            for (b, row) in follows.iter().enumerate() {
+                for (a, &count) in row.iter().enumerate() {
+                    assert_eq!(count, if a == b { 0 } else { times }, "{b} after {a}, {n} variants");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn samples_come_back_per_variant_in_round_order() {
         let mut calls = Vec::new();
-        let samples = alternate_samples(3, 3, |variant, round| {
+        let samples = alternate_samples(3, 2, |variant, round| {
             calls.push(variant);
             (variant, round)
         });
-        assert_eq!(calls, [0, 1, 2, 2, 1, 0, 0, 1, 2]);
-        // Each variant's samples, in round order, whatever order the round ran them in.
+        assert_eq!(calls, [0, 1, 1, 0, 0, 1]);
         for (variant, runs) in samples.iter().enumerate() {
             assert_eq!(runs, &[(variant, 0), (variant, 1), (variant, 2)]);
         }

@@ -131,7 +131,7 @@ fn json(rows: &[Row], curve: &[Point], machine: &Machine) -> String {
 fn markdown(rows: &[Row], curve: &[Point], machine: &Machine) -> String {
     let cell = |s: &str| s.replace('|', "\\|");
     let mut md = String::from("# pg_dedup benchmark results\n\nWritten by `make bench`. Every row compares two variants measured alternately in the same run \
-        (A, B, B, A, A, B, …: odd rounds in reverse) on one throwaway cluster; figures are medians, and the ratio is what to compare across machines.\n\n");
+        (A, B, B, A, …; more than two in an order that changes from round to round, each after each other equally often) on one throwaway cluster; figures are medians, and the ratio is what to compare across machines.\n\n");
     md.push_str("| machine | |\n|---|---|\n");
     for (k, v) in machine {
         md.push_str(&format!("| {k} | {} |\n", cell(v)));
