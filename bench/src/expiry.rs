@@ -273,8 +273,8 @@ fn under_load(c: &mut Client, pgbench: &Pgbench, scale: &Scale) -> Vec<Row> {
                 paced_window = to - from;
             }
         }
-        // Idle, the window is as long as the last paced cycle: this round's, or the round before's in a round
-        // run in reverse (`alternate_samples`).
+        // Idle, the window is as long as the last paced cycle: this round's, or an earlier round's when this
+        // round runs idle first (`round_order`).
         let (from, to) = window.unwrap_or((first + 1.5, first + 1.5 + paced_window));
         let during: Vec<f64> = txns.iter().filter(|t| t.end >= from && t.end <= to).map(|t| t.latency_ms).collect();
         assert!(during.len() >= 100, "{} transactions in a window: too few for a p99", during.len());

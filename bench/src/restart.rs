@@ -145,7 +145,7 @@ pub fn scenarios(scale: &Scale) -> Vec<Row> {
             let run = restart(&cluster, &pgbench, &script, secs, true, false);
             no_filter(false);
             let (_, last) = span(&run.txns);
-            // The last reload measured: this round's, or the round before's in a round run in reverse.
+            // The last reload measured: this round's, or an earlier round's when this round runs it later.
             let at = run.started + reload;
             [0.0, rate(&run.txns, run.started, at), rate(&run.txns, at + 0.5, last)]
         }
