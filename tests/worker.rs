@@ -1,6 +1,6 @@
-//! The purge worker on preloaded servers: expired marks go, live ones stay, renewals win, the worker survives
-//! being terminated, follows config reloads (and stops when its database leaves the list), waits for missing
-//! databases and extensions, and outlives an ERROR.
+//! The purge worker on preloaded servers: expired marks go, live ones stay, renewals win, `dedup.purge()` through
+//! SQL skips a held row from the batch that met it on, the worker survives being terminated, follows config reloads
+//! (and stops when its database leaves the list), waits for missing databases and extensions, and outlives an ERROR.
 
 use pg_dedup_harness::postgres::Client;
 use pg_dedup_tests::*;
@@ -119,6 +119,41 @@ fn a_mark_renewing_an_expired_id_wins_against_a_purge() {
     marker.batch_execute("COMMIT").unwrap();
     assert!(!mark(&mut setup, other), "the renewed id is live");
     assert_no_resource_leaks(cluster());
+}
+
+/// Through SQL (here an owner's trigger), `dedup.purge()` runs batches that double in size; once one batch met a held
+/// row and had to skip it, the batches after it skip at once, rather than delete a large batch and undo it for the
+/// same row.
+#[test]
+fn a_purge_through_sql_that_met_a_held_row_skips_from_then_on() {
+    let mut setup = db("purge_held_sql");
+    setup
+        .batch_execute(
+            "SELECT dedup.create_inbox('owned');
+             CREATE FUNCTION pass() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN RETURN OLD; END $$;
+             CREATE TRIGGER pass BEFORE DELETE ON dedup.inbox_owned FOR EACH ROW EXECUTE FUNCTION pass();
+             INSERT INTO dedup.inbox_owned
+                 SELECT 'e' || g, now() - interval '1 hour' + g * interval '1 ms' FROM generate_series(1, 60000) g;
+             -- Stored last, so a batch's DELETE (in heap order) reaches it after every other row of the batch;
+             -- expiring among the first rows, it is in the second batch and in each one after.
+             INSERT INTO dedup.inbox_owned VALUES ('held', now() - interval '1 hour' + interval '15 s')",
+        )
+        .unwrap();
+    let mut holder = connect("purge_held_sql");
+    holder.batch_execute("BEGIN; SELECT 1 FROM dedup.inbox_owned WHERE id = 'held' FOR UPDATE").unwrap();
+    let mut purger = connect("purge_held_sql");
+    purger.batch_execute("BEGIN").unwrap();
+    let purged: i64 = purger.query_one("SELECT dedup.purge('owned')", &[]).unwrap().get(0);
+    assert_eq!(purged, 60_000, "every expired mark but the held one");
+    // Deletes undone count too. Batches of 10,000, 20,000 and 40,000: the second's quick attempt deletes 19,999
+    // rows, meets the held row, is undone and skips it; the third skips at once (30,000). Another quick attempt
+    // there would delete and undo those 30,000 first: 109,999.
+    let deletes: i64 =
+        purger.query_one("SELECT pg_stat_get_xact_tuples_deleted('dedup.inbox_owned'::regclass)", &[]).unwrap().get(0);
+    assert_eq!(deletes, 10_000 + 19_999 + 20_000 + 30_000);
+    purger.batch_execute("COMMIT").unwrap();
+    holder.batch_execute("COMMIT").unwrap();
+    assert_eq!(count(&mut setup, "dedup.inbox_owned"), 1, "the held mark waits for a later purge");
 }
 
 #[test]
