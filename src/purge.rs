@@ -16,7 +16,6 @@ use crate::shmem::{Counter, WorkerSlot};
 use crate::xact::{self, in_transaction, try_transaction};
 use crate::{attempts, citus, direct, guc, input, ports, positions, rights};
 use pgrx::prelude::*;
-use std::cell::Cell;
 use std::ffi::CStr;
 use std::time::{Duration, Instant};
 
@@ -69,11 +68,11 @@ pub fn purge_batch(inbox: &Inbox, now: TimestampWithTimeZone, limit: i64, held: 
 /// otherwise stay in it, and past 64 the cache overflows. Once a batch had to skip, for a held row or for want of
 /// room, so do the batches after it (`skipping` says so): the held row is likely still held, a large batch undone
 /// for it is a lot of work lost, and room does not come back before the transaction ends.
-fn purge_batch_in_place(inbox: &Inbox, now: TimestampWithTimeZone, limit: i64, skipping: &Cell<bool>) -> i64 {
+fn purge_batch_in_place(inbox: &Inbox, now: TimestampWithTimeZone, limit: i64, skipping: &mut bool) -> i64 {
     let quick = || xact::unless_it_waits(|| purge_batch(inbox, now, limit, HeldRows::WaitBriefly));
-    let attempt = (!skipping.get() && xact::has_room()).then(quick).flatten();
+    let attempt = (!*skipping && xact::has_room()).then(quick).flatten();
     attempt.unwrap_or_else(|| {
-        skipping.set(true);
+        *skipping = true;
         purge_batch(inbox, now, limit, HeldRows::Skip)
     })
 }
@@ -89,10 +88,10 @@ pub fn purge_inbox(inbox: &Inbox, limit: Option<i64>) -> i64 {
     // index entries until it ends (no scan may skip them before), so each batch's walk would step again over the
     // entries of every batch before it; 500,000 expired marks took 13.25 M entries read and 5x the time.
     let mut deleted = purge_directly(inbox, now, limit.unwrap_or(i64::MAX), false).unwrap_or_else(|| {
-        let skipping = Cell::new(false);
+        let mut skipping = false;
         // Citus sends a distributed batch's ids to every shard: its size stays until larger ones are measured.
         let largest = if inbox.shape().distributed { BATCH_SIZE } else { LARGEST_BATCH };
-        in_batches(limit, largest, |want| purge_batch_in_place(inbox, now, want, &skipping))
+        in_batches(limit, largest, |want| purge_batch_in_place(inbox, now, want, &mut skipping))
     });
     for (_, purge) in KEPT_APART {
         deleted += in_batches(limit.map(|l| l - deleted), LARGEST_BATCH, |want| purge(inbox, now, want));
