@@ -211,7 +211,31 @@ $VERSION
 f" ] || die "CREATE EXTENSION pg_dedup VERSION '$v' + ALTER EXTENSION UPDATE: wrong version, or the mark was lost"
     log "from $v: ALTER EXTENSION pg_dedup UPDATE reached $VERSION, the mark survived"
   done
+  first_call_layout "$major" "$dir"
   "${owner[@]}" "$bin/pg_ctl" -D "$dir/data" -w -s stop
+}
+
+# link/first-call.ld holds in the packaged library: a new connection whose first call is mark() has mapped at most
+# FIRST_CALL_KB of pg_dedup.so's code (the Rss of its executable mapping). Left where the linker puts it, that code
+# maps 2.1 MB; with the script, 0.35-0.48 MB when scripts/first-call-layout.sh last regenerated it.
+FIRST_CALL_KB=1024
+first_call_layout() {
+  local major=$1 dir=$2 bin=/usr/lib/postgresql/$1/bin pid kb
+  local psql=("$bin/psql" -h "$dir" -U postgres -d postgres -X -q -At -v ON_ERROR_STOP=1)
+  # Before the worker has loaded the filter, mark() takes another road (an index probe first).
+  for _ in $(seq 60); do [ "$("${psql[@]}" -c "SELECT filter_state FROM dedup.filter_stats()")" = ready ] && break; sleep 1; done
+  coproc first_call { "${psql[@]}"; }
+  local session=$first_call_PID
+  echo "SELECT pg_backend_pid(); SELECT dedup.mark('first-call');" >&"${first_call[1]}"
+  read -r pid <&"${first_call[0]}"
+  read -r _ <&"${first_call[0]}"
+  kb=$(awk '/^[0-9a-f]+-[0-9a-f]+ / { code = ($2 ~ /x/ && $6 ~ /\/pg_dedup\.so$/) } code && /^Rss:/ { print $2; exit }' \
+    "/proc/$pid/smaps")
+  echo '\q' >&"${first_call[1]}"
+  wait "$session" || true
+  [ -n "$kb" ] && [ "$kb" -le "$FIRST_CALL_KB" ] ||
+    die "a new connection's first mark() mapped ${kb:-?} kB of pg_dedup.so's code (at most $FIRST_CALL_KB): run scripts/first-call-layout.sh"
+  log "a new connection's first mark() mapped $kb kB of pg_dedup.so's code (at most $FIRST_CALL_KB)"
 }
 
 cleanup_test() {
