@@ -3,10 +3,22 @@
 //! connection (scripts/first-call-layout.sh says how the script is made, bench/results/profiles/issue-22.md what it
 //! saves).
 fn main() {
-    let script = std::path::Path::new(&std::env::var("CARGO_MANIFEST_DIR").unwrap()).join("link/first-call.ld");
     println!("cargo:rerun-if-changed=link/first-call.ld");
-    // An ELF linker script (lld, the default linker of Rust on x86-64 Linux, and GNU ld both take INSERT).
-    if std::env::var("CARGO_CFG_TARGET_OS").as_deref() == Ok("linux") {
-        println!("cargo:rustc-cdylib-link-arg=-Wl,-T,{}", script.display());
+    println!("cargo:rerun-if-env-changed=PG_DEDUP_FIRST_CALL_LAYOUT");
+    let env = |name: &str| std::env::var(name).unwrap_or_default();
+    // Release builds only (a debug build's code is laid out for debugging anyway), and only where the linker is known
+    // to keep one .text with the script's functions at its start: Rust's own lld, its default linker on x86-64
+    // Linux. Another linker (mold takes no SECTIONS) is PG_DEDUP_FIRST_CALL_LAYOUT=off.
+    if env("PROFILE") != "release"
+        || env("CARGO_CFG_TARGET_ARCH") != "x86_64"
+        || env("CARGO_CFG_TARGET_OS") != "linux"
+        || env("PG_DEDUP_FIRST_CALL_LAYOUT") == "off"
+    {
+        return;
+    }
+    let script = std::path::Path::new(&env("CARGO_MANIFEST_DIR")).join("link/first-call.ld");
+    // -Xlinker, not -Wl,: a comma in the path would split it.
+    for arg in ["-Xlinker", "-T", "-Xlinker", &script.display().to_string()] {
+        println!("cargo:rustc-cdylib-link-arg={arg}");
     }
 }

@@ -220,21 +220,23 @@ f" ] || die "CREATE EXTENSION pg_dedup VERSION '$v' + ALTER EXTENSION UPDATE: wr
 # maps 2.1 MB; with the script, 0.35-0.48 MB when scripts/first-call-layout.sh last regenerated it.
 FIRST_CALL_KB=1024
 first_call_layout() {
-  local major=$1 dir=$2 bin=/usr/lib/postgresql/$1/bin pid kb
-  local psql=("$bin/psql" -h "$dir" -U postgres -d postgres -X -q -At -v ON_ERROR_STOP=1)
-  # Before the worker has loaded the filter, mark() takes another road (an index probe first).
-  for _ in $(seq 60); do [ "$("${psql[@]}" -c "SELECT filter_state FROM dedup.filter_stats()")" = ready ] && break; sleep 1; done
-  coproc first_call { "${psql[@]}"; }
-  local session=$first_call_PID
-  echo "SELECT pg_backend_pid(); SELECT dedup.mark('first-call');" >&"${first_call[1]}"
-  read -r pid <&"${first_call[0]}"
-  read -r _ <&"${first_call[0]}"
-  kb=$(awk '/^[0-9a-f]+-[0-9a-f]+ / { code = ($2 ~ /x/ && $6 ~ /\/pg_dedup\.so$/) } code && /^Rss:/ { print $2; exit }' \
-    "/proc/$pid/smaps")
-  echo '\q' >&"${first_call[1]}"
-  wait "$session" || true
+  local bin=/usr/lib/postgresql/$1/bin dir=$2 out kb
+  local psql=("$bin/psql" -h "$dir" -U postgres -d postgres)
+  "$here/scripts/pg.sh" wait_for_filter 60 "${psql[@]}" || die "pg_dedup's filter was not loaded"
+  # psql's shell escape reads the backend's mapping while the connection is open: its pid and the awk program
+  # (the Rss of the executable mapping of pg_dedup.so in smaps) reach the shell through the environment.
+  local awk='/^[0-9a-f]+-[0-9a-f]+ / { code = ($2 ~ /x/ && $6 ~ /\/pg_dedup\.so$/) } code && /^Rss:/ { print $2; exit }'
+  out=$(FIRST_CALL_AWK=$awk "${psql[@]}" -X -q -At -v ON_ERROR_STOP=1 <<'SQL'
+SELECT pg_backend_pid() AS pid \gset
+SELECT dedup.mark('first-call');
+\setenv FIRST_CALL_PID :pid
+\! awk "$FIRST_CALL_AWK" "/proc/$FIRST_CALL_PID/smaps"
+SQL
+  ) || die "a new connection's first mark() failed"
+  kb=${out##*$'\n'}
   [ -n "$kb" ] && [ "$kb" -le "$FIRST_CALL_KB" ] ||
-    die "a new connection's first mark() mapped ${kb:-?} kB of pg_dedup.so's code (at most $FIRST_CALL_KB): run scripts/first-call-layout.sh"
+    die "a new connection's first mark() mapped ${kb:-?} kB of pg_dedup.so's code (at most $FIRST_CALL_KB):" \
+      "run scripts/first-call-layout.sh"
   log "a new connection's first mark() mapped $kb kB of pg_dedup.so's code (at most $FIRST_CALL_KB)"
 }
 

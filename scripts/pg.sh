@@ -53,6 +53,20 @@ install_extension() {
   done < <(find "$stage" -type f)
 }
 
+# Waits up to $1 seconds for the Bloom filter of the database that the psql command given after it connects to to
+# be loaded: until then a mark() takes another road (an index probe first), so what a first call costs or runs is
+# measured after it. Fails when the filter is not loaded by then.
+wait_for_filter() {
+  local seconds=$1
+  shift
+  for _ in $(seq "$seconds"); do
+    [ "$("$@" -X -q -At -c "SELECT filter_state FROM dedup.filter_stats()")" = ready ] && return 0
+    sleep 1
+  done
+  echo "pg_dedup's filter was not loaded after $seconds s" >&2
+  return 1
+}
+
 # `cargo pgrx test` for major $1: the #[pg_test]s, one at a time (they share the server's filter), in a server pgrx
 # starts. It installs a test build of the extension into that PostgreSQL: install_extension puts the real one back.
 # As root, the server runs as `postgres` in a data directory of its own.
