@@ -7,11 +7,13 @@ fn main() {
     println!("cargo:rerun-if-env-changed=PG_DEDUP_FIRST_CALL_LAYOUT");
     let env = |name: &str| std::env::var(name).unwrap_or_default();
     // Release builds only (a debug build's code is laid out for debugging anyway), and only where the linker is known
-    // to keep one .text with the script's functions at its start: Rust's own lld, its default linker on x86-64
-    // Linux. Another linker (mold takes no SECTIONS) is PG_DEDUP_FIRST_CALL_LAYOUT=off.
+    // to keep one .text with the script's functions at its start: Rust's own lld, its default linker for
+    // x86_64-unknown-linux-gnu since Rust 1.90. Another linker (GNU ld would make a second .text, mold takes no
+    // SECTIONS) is PG_DEDUP_FIRST_CALL_LAYOUT=off.
     if env("PROFILE") != "release"
         || env("CARGO_CFG_TARGET_ARCH") != "x86_64"
         || env("CARGO_CFG_TARGET_OS") != "linux"
+        || env("CARGO_CFG_TARGET_ENV") != "gnu"
         || env("PG_DEDUP_FIRST_CALL_LAYOUT") == "off"
     {
         return;

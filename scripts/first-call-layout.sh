@@ -36,8 +36,9 @@ trap '"${owner[@]}" "$bin/pg_ctl" -D "$dir/data" -m fast -t 300 -s stop 2>/dev/n
   --callgrind-out-file="$dir/cg.%p" "$bin/postgres" -D "$dir/data" \
   -c listen_addresses='' -k "$dir" -c shared_preload_libraries=pg_dedup -c dedup.database=postgres >"$dir/log" 2>&1 &
 server=$!
+waited=0
 until "$bin/pg_isready" -q -h "$dir"; do
-  if ! kill -0 "$server" 2>/dev/null; then
+  if ! kill -0 "$server" 2>/dev/null || [ $((waited += 1)) -gt 600 ]; then
     echo "the server did not start under valgrind:" >&2
     tail -20 "$dir/log" >&2
     exit 1

@@ -234,7 +234,7 @@ SELECT dedup.mark('first-call');
 SQL
   ) || die "a new connection's first mark() failed"
   kb=${out##*$'\n'}
-  [ -n "$kb" ] && [ "$kb" -le "$FIRST_CALL_KB" ] ||
+  [[ $kb =~ ^[0-9]+$ ]] && [ "$kb" -le "$FIRST_CALL_KB" ] ||
     die "a new connection's first mark() mapped ${kb:-?} kB of pg_dedup.so's code (at most $FIRST_CALL_KB):" \
       "run scripts/first-call-layout.sh"
   log "a new connection's first mark() mapped $kb kB of pg_dedup.so's code (at most $FIRST_CALL_KB)"
