@@ -13,11 +13,14 @@ use crate::ports;
 use pgrx::prelude::*;
 use pgrx::PgMemoryContexts;
 
-/// Rows deleted between two offers of the CPU (about a tenth of a millisecond of work), when asked to offer it. On
-/// a busy machine a batch of ten thousand rows is a burst of several milliseconds, and the scheduler lets a running
-/// process finish its time slice before a waking one gets the core: the marks queued behind the burst make
-/// mark()'s tail latency. Offering the core this often bounds that wait to a sub-batch; it costs nothing when no
-/// one else wants the CPU, and slows the purge down when someone does.
+/// Index entries walked between two offers of the CPU (at most about half a millisecond of work, when every entry's
+/// row is deleted), when asked to offer it. On a busy machine a batch of ten thousand rows is a burst of several
+/// milliseconds, and the scheduler lets a running process finish its time slice before a waking one gets the core:
+/// the marks queued behind the burst make mark()'s tail latency. Offering the core this often bounds that wait to a
+/// sub-batch; it costs nothing when no one else wants the CPU, and slows the purge down when someone does. Entries
+/// count, not deleted rows: a batch first walks past the entries of the rows the worker's earlier batches deleted
+/// (they stay in the btree until a vacuum), thousands of them, each a visit to the heap and none a deletion — 1.5 to
+/// 1.7 ms in one run when only deletions counted (bench/results/profiles/issue-23.md, stop 47).
 const YIELD_EVERY: i64 = 256;
 
 /// The btree on `expires_at` of `rel` that a scan for `expires_at <= now` may walk (one key column, the second
@@ -66,9 +69,9 @@ unsafe fn expiry_index(rel: pg_sys::Relation) -> Option<(pg_sys::Oid, pg_sys::Oi
 }
 
 /// Deletes up to `limit` rows of `inbox` that expired at or before `now`, in `expires_at` order, passing over rows
-/// other transactions hold, and offering the CPU to other processes every `YIELD_EVERY` rows if `yield_cpu`;
-/// returns how many it deleted, or None when the table needs the executor (its shape is not `plain`) or has no
-/// usable `expires_at` btree: then the caller runs the SQL purge instead.
+/// other transactions hold, and offering the CPU to other processes every `YIELD_EVERY` index entries if
+/// `yield_cpu`; returns how many it deleted, or None when the table needs the executor (its shape is not `plain`) or
+/// has no usable `expires_at` btree: then the caller runs the SQL purge instead.
 pub fn delete_expired(inbox: &Inbox, now: TimestampWithTimeZone, limit: i64, yield_cpu: bool) -> Option<i64> {
     if !inbox.shape().plain {
         return None;
@@ -106,8 +109,23 @@ pub fn delete_expired(inbox: &Inbox, now: TimestampWithTimeZone, limit: i64, yie
             pg_sys::index_rescan(scan, &mut key, 1, std::ptr::null_mut(), 0);
             let slot = pg_sys::table_slot_create(rel, std::ptr::null_mut());
             let mut deleted = 0;
-            while deleted < limit && pg_sys::index_getnext_slot(scan, pg_sys::ScanDirection::ForwardScanDirection, slot)
-            {
+            let mut walked: i64 = 0;
+            while deleted < limit {
+                // index_getnext_slot(), taken apart to count the entries walked, those of rows gone included.
+                if !(*scan).xs_heap_continue {
+                    if pg_sys::index_getnext_tid(scan, pg_sys::ScanDirection::ForwardScanDirection).is_null() {
+                        break;
+                    }
+                    walked += 1;
+                    if yield_cpu && walked % YIELD_EVERY == 0 {
+                        // sched_yield(): runs whoever waits for this core, then comes back.
+                        std::thread::yield_now();
+                    }
+                }
+                if !pg_sys::index_fetch_heap(scan, slot) {
+                    pgrx::check_for_interrupts!();
+                    continue;
+                }
                 // The version the snapshot sees, read again from the heap: expired by its own expires_at, not
                 // only by its index entry. (A timestamptz datum is its int64 microseconds, infinities included:
                 // compared as such, without a conversion per row.)
@@ -130,10 +148,6 @@ pub fn delete_expired(inbox: &Inbox, now: TimestampWithTimeZone, limit: i64, yie
                 );
                 if outcome == pg_sys::TM_Result::TM_Ok {
                     deleted += 1;
-                    if yield_cpu && deleted % YIELD_EVERY == 0 {
-                        // sched_yield(): runs whoever waits for this core, then comes back.
-                        std::thread::yield_now();
-                    }
                 }
                 pgrx::check_for_interrupts!();
             }
