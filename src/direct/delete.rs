@@ -13,14 +13,15 @@ use crate::ports;
 use pgrx::prelude::*;
 use pgrx::PgMemoryContexts;
 
-/// Index entries walked between two offers of the CPU (at most about half a millisecond of work, when every entry's
-/// row is deleted), when asked to offer it. On a busy machine a batch of ten thousand rows is a burst of several
-/// milliseconds, and the scheduler lets a running process finish its time slice before a waking one gets the core:
-/// the marks queued behind the burst make mark()'s tail latency. Offering the core this often bounds that wait to a
-/// sub-batch; it costs nothing when no one else wants the CPU, and slows the purge down when someone does. Entries
-/// count, not deleted rows: a batch first walks past the entries of the rows the worker's earlier batches deleted
-/// (they stay in the btree until a vacuum), thousands of them, each a visit to the heap and none a deletion — 1.5 to
-/// 1.7 ms in one run when only deletions counted (bench/results/profiles/issue-23.md, stop 47).
+/// Index entries walked between two offers of the CPU (a tenth to a fifth of a millisecond of work when every
+/// entry's row is deleted, less when none is), when asked to offer it. On a busy machine a batch of ten thousand rows
+/// is a burst of several milliseconds, and the scheduler lets a running process finish its time slice before a
+/// waking one gets the core: the marks queued behind the burst make mark()'s tail latency. Offering the core this
+/// often bounds that wait to a sub-batch; it costs nothing when no one else wants the CPU, and slows the purge down
+/// when someone does. Entries count, not deleted rows: a batch first walks past the entries of the rows the
+/// worker's previous batch deleted (they stay in the btree until a vacuum), thousands of them, each a visit to the
+/// heap and none a deletion: a run of 1.67 ms without an offer in one trace when only deletions counted
+/// (bench/results/profiles/issue-23.md, stop 47).
 const YIELD_EVERY: i64 = 256;
 
 /// The btree on `expires_at` of `rel` that a scan for `expires_at <= now` may walk (one key column, the second
