@@ -407,11 +407,14 @@ fn an_idle_store_costs_the_worker_no_pass_over_its_slots() {
     };
     // SAFETY: sysconf reads a constant of the system.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-    let busy_for = |seconds: u64| {
+    let busy_in = |seconds: u64| {
         let (before, at) = (ticks(), Instant::now());
         std::thread::sleep(Duration::from_secs(seconds));
         (ticks() - before) as f64 / hz / at.elapsed().as_secs_f64()
     };
+    // The lesser of two windows in a row: a pass at each round costs every window alike, where a one-off piece of
+    // work of the worker's (seen once in CI: 21% in one window, 1-6% usually) lands in one of them.
+    let busy_for = |seconds: u64| busy_in(seconds).min(busy_in(seconds));
     // Its rounds still run (three short transactions each, ten a second): a few percent of the time, where the
     // passes took a quarter of it (release build) or more.
     // The limit leaves room for this shared machine's noise (1–9% measured) below what a pass at each round costs.
