@@ -13,8 +13,8 @@ const BACKLOG_GOAL: Goal = Goal::AtLeast(1.2);
 const STEADY_GOAL: Goal = Goal::AtLeast(1.19);
 /// Foreground mark() p99 while the worker purges, against idle.
 const P99_GOAL: Goal = Goal::AtMost(1.3);
-/// `dedup.purge_batch_delay`'s default.
-const DEFAULT_PAUSE_MS: u32 = 10;
+/// Rows per transaction of the hand-written DELETE, and of the worker when their rates are compared.
+const BATCH_ROWS: u32 = 10_000;
 /// Clients marking while the steady state is purged.
 const MARKERS: u32 = 4;
 
@@ -26,15 +26,44 @@ fn raw_purge(table: &str) -> String {
     format!(
         "DO $$ DECLARE n bigint; BEGIN LOOP
           DELETE FROM {table} WHERE ctid = ANY (ARRAY(
-              SELECT ctid FROM {table} WHERE expires_at <= now() ORDER BY expires_at LIMIT 10000));
-          GET DIAGNOSTICS n = ROW_COUNT; COMMIT; EXIT WHEN n < 10000; END LOOP; END $$"
+              SELECT ctid FROM {table} WHERE expires_at <= now() ORDER BY expires_at LIMIT {BATCH_ROWS}));
+          GET DIAGNOSTICS n = ROW_COUNT; COMMIT; EXIT WHEN n < {BATCH_ROWS}; END LOOP; END $$"
     )
 }
 
-/// Switches the background worker's purging on or off (the benchmark's cluster starts with it off).
-fn set_worker_purge(c: &mut Client, on: bool, batch_delay_ms: u32) {
+/// How the worker purges.
+#[derive(Clone, Copy)]
+enum Pace {
+    /// As fast as it can, in the hand-written DELETE's batches: the rates compared.
+    Full,
+    /// At its defaults (`dedup.purge_batch_size`, `dedup.purge_batch_delay`): the pace whose cost to the clients is
+    /// measured.
+    Default,
+    /// At the default pause, in the DELETE's batches (the default before 0.4.0): what the smaller default buys.
+    LargeBatches,
+}
+
+/// Switches the background worker's purging on or off (the benchmark's cluster starts with it off), at `pace`.
+fn set_worker_purge(c: &mut Client, on: bool, pace: Pace) {
     c.batch_execute(&format!("ALTER SYSTEM SET dedup.purge = {on}")).unwrap();
-    c.batch_execute(&format!("ALTER SYSTEM SET dedup.purge_batch_delay = {batch_delay_ms}")).unwrap();
+    // One statement per call: ALTER SYSTEM refuses to run in the implicit transaction of a multi-statement string.
+    let settings = match pace {
+        Pace::Full => [
+            format!("ALTER SYSTEM SET dedup.purge_batch_size = {BATCH_ROWS}"),
+            "ALTER SYSTEM SET dedup.purge_batch_delay = 0".to_owned(),
+        ],
+        Pace::Default => [
+            "ALTER SYSTEM RESET dedup.purge_batch_size".to_owned(),
+            "ALTER SYSTEM RESET dedup.purge_batch_delay".to_owned(),
+        ],
+        Pace::LargeBatches => [
+            format!("ALTER SYSTEM SET dedup.purge_batch_size = {BATCH_ROWS}"),
+            "ALTER SYSTEM RESET dedup.purge_batch_delay".to_owned(),
+        ],
+    };
+    for setting in settings {
+        c.batch_execute(&setting).unwrap();
+    }
     c.batch_execute("SELECT pg_reload_conf()").unwrap();
 }
 
@@ -50,12 +79,11 @@ struct Cycle {
     window: (f64, f64),
 }
 
-/// Lets the worker purge a backlog of `rows` expired rows, pausing `pause_ms` between batches; what the cycle that
-/// did it did, or None when that cycle's record was overwritten before it was read. Watches only the worker's own
+/// Lets the worker purge a backlog of `rows` expired rows at `pace`; what the cycle that did it did, or None when that cycle's record was overwritten before it was read. Watches only the worker's own
 /// record (a cheap read of shared memory, every 100 ms): polling the table would load the machine on one side of
 /// the comparison only. A cycle that lasts longer than `dedup.purge_interval` (1 s here) is followed at once by
 /// the next, which finds nothing and may end within the same 100 ms: the record is then that second cycle's.
-fn worker_purge(c: &mut Client, rows: i64, pause_ms: u32) -> Option<Cycle> {
+fn worker_purge(c: &mut Client, rows: i64, pace: Pace) -> Option<Cycle> {
     let last_cycle = |c: &mut Client| {
         let row = c
             .query_one(
@@ -69,14 +97,14 @@ fn worker_purge(c: &mut Client, rows: i64, pause_ms: u32) -> Option<Cycle> {
         figures
     };
     let before = last_cycle(c).0;
-    set_worker_purge(c, true, pause_ms);
+    set_worker_purge(c, true, pace);
     let deadline = Instant::now() + Duration::from_secs(300);
     loop {
         std::thread::sleep(Duration::from_millis(100));
         // Purging was off, so the first cycle after it went on is the one that met the whole backlog.
         if let (cycles, Some(ms), Some(purged), Some(start)) = last_cycle(c) {
             if cycles > before {
-                set_worker_purge(c, false, DEFAULT_PAUSE_MS);
+                set_worker_purge(c, false, Pace::Default);
                 if cycles > before + 1 && purged < rows {
                     return None;
                 }
@@ -112,7 +140,7 @@ pub fn scenarios(c: &mut Client, pgbench: &Pgbench, scale: &Scale) -> Vec<Row> {
             0 => {
                 std::iter::repeat_with(|| {
                     load_expired(c, "dedup.inbox_purged", n);
-                    worker_purge(c, n, 0)
+                    worker_purge(c, n, Pace::Full)
                 })
                 .take(3)
                 .flatten()
@@ -150,13 +178,13 @@ pub fn scenarios(c: &mut Client, pgbench: &Pgbench, scale: &Scale) -> Vec<Row> {
     });
     rows.push(Row::new("mark() cost of the expires_at btree", ("with btree", indexed), ("without", bare), "marks/s"));
 
-    // Foreground marks while the worker purges a backlog (its default 10 ms pause between batches), against the
-    // same marks with nothing else running.
+    // Foreground marks while the worker purges a backlog at its default pace, against the same marks with nothing
+    // else running.
     let [busy, idle] = alternate(scale.rounds, |variant, round| {
         let purging = variant == 0;
         if purging {
             load_expired(c, "dedup.inbox_purged", n);
-            set_worker_purge(c, true, DEFAULT_PAUSE_MS);
+            set_worker_purge(c, true, Pace::Default);
             while expired_left(c, "dedup.inbox_purged") == n {
                 std::thread::sleep(Duration::from_millis(5));
             }
@@ -174,7 +202,7 @@ pub fn scenarios(c: &mut Client, pgbench: &Pgbench, scale: &Scale) -> Vec<Row> {
             while expired_left(c, "dedup.inbox_purged") > 0 {
                 std::thread::sleep(Duration::from_millis(20));
             }
-            set_worker_purge(c, false, DEFAULT_PAUSE_MS);
+            set_worker_purge(c, false, Pace::Default);
         }
         rate
     });
@@ -219,15 +247,15 @@ pub fn scenarios(c: &mut Client, pgbench: &Pgbench, scale: &Scale) -> Vec<Row> {
     rows
 }
 
-/// The steady state users live in: an inbox of `scale.steady_rows` marks of which a tenth has expired,
-/// purged while `MARKERS` pgbench clients mark new ids into it — by the worker without pauses and by the
-/// hand-written DELETE (the rates compared: same batches, one transaction each), by the worker at its default
-/// pace (`dedup.purge_batch_delay` 10 ms), or not at all (idle). Each round starts from the same table: the
-/// clients' marks are deleted and the expired tenth loaded again. Latencies while purging are those of the
-/// transactions that ended within the purge (the worker's cycle, the DELETE's run); idle, those that ended within
-/// a window as long as the paced worker's of the same round, starting a second and a half into the run (when the
-/// purges start, give or take the worker's wait for its next cycle). A side's percentiles are taken over its
-/// rounds' latencies pooled.
+/// The steady state users live in: an inbox of `scale.steady_rows` marks of which a tenth has expired, purged while
+/// `MARKERS` pgbench clients mark new ids into it — by the worker without pauses and by the hand-written DELETE (the
+/// rates compared: same batches, one transaction each), by the worker at its default pace (`dedup.purge_batch_size`
+/// rows at a time, `dedup.purge_batch_delay` apart), by the worker at the default pause in batches of 10,000 (the
+/// default before 0.4.0), or not at all (idle). Each round starts from the same table: the clients' marks are deleted
+/// and the expired tenth loaded again. Latencies while purging are those of the transactions that ended within the
+/// purge (the worker's cycle, the DELETE's run); idle, those that ended within a window as long as the paced worker's
+/// of the same round, starting a second and a half into the run (when the purges start, give or take the worker's wait
+/// for its next cycle). A side's percentiles are taken over its rounds' latencies pooled.
 fn under_load(c: &mut Client, pgbench: &Pgbench, scale: &Scale) -> Vec<Row> {
     let (table, expired) = ("dedup.inbox_busy", scale.steady_rows / 10);
     c.batch_execute(&format!(
@@ -238,10 +266,15 @@ fn under_load(c: &mut Client, pgbench: &Pgbench, scale: &Scale) -> Vec<Row> {
     ))
     .unwrap();
     let script = pgbench.script("mark_busy", &one_id_script(&mark_sql("busy"), 0, 0));
+    // Cycles 5 s apart instead of 1: a cycle at the default pace (batches of 1,000, 10 ms apart) lasts over a second
+    // here, and one longer than the interval is followed at once by an empty one whose record could be read instead
+    // of its own. A round lasts longer than 5 s, so each cycle still starts as soon as purging goes on.
+    c.batch_execute("ALTER SYSTEM SET dedup.purge_interval = '5s'").unwrap();
+    c.batch_execute("SELECT pg_reload_conf()").unwrap();
     // Long enough that the purge, which starts a second in, ends before the clients do (checked below).
     let secs = scale.run_secs + 5;
     let mut paced_window = 0.0;
-    let samples = alternate_samples(scale.rounds, 4, |variant, _| {
+    let samples = alternate_samples(scale.rounds, 5, |variant, _| {
         c.batch_execute(&format!("DELETE FROM {table} WHERE id LIKE 'evt-%'")).unwrap();
         load_expired(c, table, expired);
         c.batch_execute("CHECKPOINT").unwrap();
@@ -249,10 +282,13 @@ fn under_load(c: &mut Client, pgbench: &Pgbench, scale: &Scale) -> Vec<Row> {
             let clients = s.spawn(|| pgbench.logged(&script, MARKERS, secs));
             std::thread::sleep(Duration::from_secs(1));
             let (rate, window) = match variant {
-                0 | 2 => {
-                    // A tenth of the inbox is purged within the 1 s interval: no second cycle follows at once.
-                    let cycle = worker_purge(c, expired, if variant == 0 { 0 } else { DEFAULT_PAUSE_MS })
-                        .expect("the worker's cycle was read");
+                0 | 2 | 4 => {
+                    let pace = match variant {
+                        0 => Pace::Full,
+                        2 => Pace::Default,
+                        _ => Pace::LargeBatches,
+                    };
+                    let cycle = worker_purge(c, expired, pace).expect("the worker's cycle was read");
                     (cycle.rate, Some(cycle.window))
                 }
                 1 => {
@@ -280,7 +316,8 @@ fn under_load(c: &mut Client, pgbench: &Pgbench, scale: &Scale) -> Vec<Row> {
         let during: Vec<f64> = txns.iter().filter(|t| t.end >= from && t.end <= to).map(|t| t.latency_ms).collect();
         assert!(during.len() >= 100, "{} transactions in a window: too few for a p99", during.len());
         if verbose() {
-            let side = ["worker, no pause", "DELETE", "worker, default pace", "idle"][variant];
+            let side =
+                ["worker, no pause", "DELETE", "worker, default pace", "idle", "worker, batches of 10,000"][variant];
             eprintln!(
                 "[bench]   steady purge, {side}: {rate:.0} rows/s, {} transactions in {:.2} s, p50 {:.3} ms, p99 {:.3} ms",
                 during.len(),
@@ -291,11 +328,13 @@ fn under_load(c: &mut Client, pgbench: &Pgbench, scale: &Scale) -> Vec<Row> {
         }
         (rate, during)
     });
-    // A side's rate is the median of its rounds'. Its latencies are pooled over its rounds: a paced cycle lasts
-    // about 0.2 s, so one round's p99 rests on its slowest few dozen marks, and the median of such p99s followed
-    // whichever side's rounds happened to be quiet (1.87x, then 0.99x, in the last two full runs). Pooled,
-    // a round with a bad tail also counts, where the median of rounds would drop it.
-    let [worker, raw, paced, idle] = [0, 1, 2, 3].map(|v| {
+    c.batch_execute("ALTER SYSTEM RESET dedup.purge_interval").unwrap();
+    c.batch_execute("SELECT pg_reload_conf()").unwrap();
+    // A side's rate is the median of its rounds'. Its latencies are pooled over its rounds: a paced cycle lasted
+    // about 0.2 s in batches of 10,000, so one round's p99 rested on its slowest few dozen marks, and the median of
+    // such p99s followed whichever side's rounds happened to be quiet (1.87x, then 0.99x, in two full runs).
+    // Pooled, a round with a bad tail also counts, where the median of rounds would drop it.
+    let [worker, raw, paced, idle, large] = [0, 1, 2, 3, 4].map(|v| {
         let pooled: Vec<f64> = samples[v].iter().flat_map(|(_, during)| during.iter().copied()).collect();
         (
             median(samples[v].iter().map(|(rate, _)| *rate).collect()),
@@ -313,6 +352,7 @@ fn under_load(c: &mut Client, pgbench: &Pgbench, scale: &Scale) -> Vec<Row> {
             .goal(STEADY_GOAL),
         latency("the worker (default pace) purges", "worker purging", paced, false),
         latency("the worker (default pace) purges", "worker purging", paced, true).goal(P99_GOAL),
+        latency("the worker (batches of 10,000, default pause) purges", "worker purging", large, true),
         latency("the worker (no pause) purges", "worker purging", worker, true),
         latency("the DELETE purges", "DELETE purging", raw, true),
     ]
