@@ -96,9 +96,10 @@ fn load_inbox(guard: &RebuildGuard, target: usize, relid: pg_sys::Oid) -> Result
 /// transaction's snapshot was taken, which no one may prune while it is held — and hands the hashes of their keys
 /// (`key`) to `load` in batches. The dead versions are what makes a load safe against an UPDATE that does not fire
 /// the trigger (a renewal sets `expires_at`, the worker rewrites a count): its new version may land on a page the
-/// scan has passed, and its old one die before the scan gets there; the old version is still read. Straight from
-/// the heap: no SQL runs, so nothing an owner attached to the table runs either. Returns how many rows it read that
-/// are live or in progress (a dirty snapshot's view), the figure logs and `bloom_rebuild()` report.
+/// scan has passed, and its old one die before the scan gets there; the old version is still read. Versions that
+/// were dead before the scan began are skipped (`Version::Dead`). Straight from the heap: no SQL runs, so nothing
+/// an owner attached to the table runs either. Returns how many rows it read that are live or in progress (a dirty
+/// snapshot's view), the figure logs and `bloom_rebuild()` report.
 ///
 /// # Safety
 /// `rel` must be an open table the filter guards, keyed as `key` says.
@@ -119,13 +120,18 @@ unsafe fn scan_keys(rel: pg_sys::Relation, key: trigger::Key, mut load: impl FnM
             pg_sys::ALLOCSET_DEFAULT_INITSIZE as usize,
             pg_sys::ALLOCSET_DEFAULT_MAXSIZE as usize,
         );
+        // Every transaction below a snapshot's xmin had ended when it was taken: one that deleted a version and
+        // committed below this one did so before the scan began, and any version its UPDATE made was already there.
+        let horizon = (*pg_sys::GetLatestSnapshot()).xmin;
         let scan = pg_sys::table_beginscan(rel, &mut any, 0, std::ptr::null_mut());
         let slot = pg_sys::table_slot_create(rel, std::ptr::null_mut());
         let mut hashes = Vec::with_capacity(BATCH);
         let mut rows = 0i64;
         loop {
             let more = pg_sys::table_scan_getnextslot(scan, pg_sys::ScanDirection::ForwardScanDirection, slot);
-            if more {
+            // The version read, unless there is none or it is dead.
+            let read = more.then(|| version(slot, &mut dirty, horizon)).filter(|v| *v != Version::Dead);
+            if let Some(version) = read {
                 let caller = pg_sys::MemoryContextSwitchTo(memory);
                 let column = |attnum: i32| {
                     let mut isnull = false;
@@ -143,7 +149,7 @@ unsafe fn scan_keys(rel: pg_sys::Relation, key: trigger::Key, mut load: impl FnM
                 pg_sys::MemoryContextSwitchTo(caller);
                 if let Some(hash) = hash {
                     hashes.push(hash);
-                    rows += i64::from(live(slot, &mut dirty));
+                    rows += i64::from(version == Version::Live);
                 }
             }
             if hashes.len() == BATCH || (!more && !hashes.is_empty()) {
@@ -163,24 +169,49 @@ unsafe fn scan_keys(rel: pg_sys::Relation, key: trigger::Key, mut load: impl FnM
     }
 }
 
-/// Is the row version in `slot`, read by a scan of its heap table, one a dirty snapshot sees (committed and not
-/// deleted, or of a transaction in progress)? A slot of another table access method counts as live.
+/// What a load makes of a row version its scan read.
+#[derive(PartialEq, Eq)]
+enum Version {
+    /// Seen by a dirty snapshot (committed and not deleted, or of a transaction in progress): loaded and counted.
+    Live,
+    /// Deleted by a transaction that committed before the scan began, or inserted by one that aborted: dead to
+    /// every snapshot, prunable by any process at any moment, so no load can count on finding it. Skipped: a purge
+    /// in small batches leaves thousands of them unpruned until VACUUM (a page pruned once, between two batches,
+    /// is not pruned again on the way), and loaded they filled a fresh generation past its target rate.
+    Dead,
+    /// Anything else (deleted since the scan began, or by a transaction in progress): loaded, not counted.
+    Other,
+}
+
+/// What a load makes of the row version in `slot`, read by a scan of its heap table. A slot of another table
+/// access method counts as live.
 ///
 /// # Safety
-/// `slot` must hold a version just returned by a table scan of an open table; `dirty` must be a dirty snapshot.
-unsafe fn live(slot: *mut pg_sys::TupleTableSlot, dirty: &mut pg_sys::SnapshotData) -> bool {
+/// `slot` must hold a version just returned by a table scan of an open table; `dirty` must be a dirty snapshot;
+/// `horizon` the xmin of a snapshot taken before the scan began.
+unsafe fn version(
+    slot: *mut pg_sys::TupleTableSlot,
+    dirty: &mut pg_sys::SnapshotData,
+    horizon: pg_sys::TransactionId,
+) -> Version {
     // SAFETY: a slot of the buffer-heap kind is a BufferHeapTupleTableSlot holding a pin on its tuple's buffer; the
-    // visibility check is made under a share lock on that buffer, as the heap's own scans make it.
+    // visibility checks are made under a share lock on that buffer, as the heap's own scans make them.
     unsafe {
         if !std::ptr::eq((*slot).tts_ops, &pg_sys::TTSOpsBufferHeapTuple) {
-            return true;
+            return Version::Live;
         }
         let heap = slot as *mut pg_sys::BufferHeapTupleTableSlot;
-        let buffer = (*heap).buffer;
+        let (tuple, buffer) = ((*heap).base.tuple, (*heap).buffer);
         pg_sys::LockBuffer(buffer, pg_sys::BUFFER_LOCK_SHARE as i32);
-        let visible = pg_sys::HeapTupleSatisfiesVisibility((*heap).base.tuple, dirty, buffer);
+        let version = if pg_sys::HeapTupleSatisfiesVisibility(tuple, dirty, buffer) {
+            Version::Live
+        } else if pg_sys::HeapTupleSatisfiesVacuum(tuple, horizon, buffer) == pg_sys::HTSV_Result::HEAPTUPLE_DEAD {
+            Version::Dead
+        } else {
+            Version::Other
+        };
         pg_sys::LockBuffer(buffer, pg_sys::BUFFER_LOCK_UNLOCK as i32);
-        visible
+        version
     }
 }
 
