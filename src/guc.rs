@@ -17,8 +17,9 @@ pub static PURGE: GucSetting<bool> = GucSetting::<bool>::new(true);
 /// Seconds between the start of two purge cycles.
 pub static PURGE_INTERVAL: GucSetting<i32> = GucSetting::<i32>::new(10);
 /// Rows deleted per purge transaction. Batches of 1,000 at the default pause keep mark()'s p99 while the worker
-/// purges within issue 23's goal of 1.3 times idle, where batches of 10,000 did not (`make bench`, the p99 rows);
-/// they purge at most about 75,000 rows a second.
+/// purges within issue 23's goal of 1.3 times idle, where batches of 10,000 did not in the runs before the change
+/// (`make bench`, the p99 rows); they purge at most about 75,000-80,000 rows a second (the pauses cap it at
+/// 100,000).
 pub static PURGE_BATCH_SIZE: GucSetting<i32> = GucSetting::<i32>::new(1_000);
 /// Pause between two purge batches, in milliseconds.
 pub static PURGE_BATCH_DELAY: GucSetting<i32> = GucSetting::<i32>::new(10);
