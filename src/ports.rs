@@ -5,6 +5,25 @@
 
 use pgrx::prelude::*;
 
+/// `GetOldestNonRemovableTransactionId(rel)` (`GetOldestXmin(rel, PROCARRAY_FLAGS_VACUUM)` in 13): VACUUM's
+/// horizon for `rel`, below which a committed deleter's versions are seen by no snapshot of any backend.
+///
+/// # Safety
+/// `rel` must be an open relation.
+pub unsafe fn GetOldestNonRemovableTransactionId(rel: pg_sys::Relation) -> pg_sys::TransactionId {
+    // SAFETY: the caller vouches for the relation; the function reads the process array under its own lock.
+    unsafe {
+        #[cfg(feature = "pg13")]
+        {
+            pg_sys::GetOldestXmin(rel, pg_sys::PROCARRAY_FLAGS_VACUUM as i32)
+        }
+        #[cfg(not(feature = "pg13"))]
+        {
+            pg_sys::GetOldestNonRemovableTransactionId(rel)
+        }
+    }
+}
+
 /// `GETSTRUCT(tuple)`: the fixed-size struct at the start of a catalog tuple's data.
 ///
 /// # Safety

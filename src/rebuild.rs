@@ -6,7 +6,7 @@ use crate::errors::{self, raise, server_log};
 use crate::filter::{self, RebuildGuard};
 use crate::shmem::{self, namespace};
 use crate::trigger::{self, State};
-use crate::{catalog, guc};
+use crate::{catalog, guc, ports};
 use pgrx::prelude::*;
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -97,8 +97,8 @@ fn load_inbox(guard: &RebuildGuard, target: usize, relid: pg_sys::Oid) -> Result
 /// (`key`) to `load` in batches. The dead versions are what makes a load safe against an UPDATE that does not fire
 /// the trigger (a renewal sets `expires_at`, the worker rewrites a count): its new version may land on a page the
 /// scan has passed, and its old one die before the scan gets there; the old version is still read. Versions that
-/// were dead before the scan began are skipped (`Version::Dead`). Straight from the heap: no SQL runs, so nothing
-/// an owner attached to the table runs either. Returns how many rows it read that are live or in progress (a dirty
+/// VACUUM could already remove are skipped (`Version::Dead`). Straight from the heap: no SQL runs, so nothing an
+/// owner attached to the table runs either. Returns how many rows it read that are live or in progress (a dirty
 /// snapshot's view), the figure logs and `bloom_rebuild()` report.
 ///
 /// # Safety
@@ -120,9 +120,10 @@ unsafe fn scan_keys(rel: pg_sys::Relation, key: trigger::Key, mut load: impl FnM
             pg_sys::ALLOCSET_DEFAULT_INITSIZE as usize,
             pg_sys::ALLOCSET_DEFAULT_MAXSIZE as usize,
         );
-        // Every transaction below a snapshot's xmin had ended when it was taken: one that deleted a version and
-        // committed below this one did so before the scan began, and any version its UPDATE made was already there.
-        let horizon = (*pg_sys::GetLatestSnapshot()).xmin;
+        // VACUUM's horizon: a version whose deleter committed below it is seen by no snapshot of any backend (the
+        // caller's included), and since every transaction below it had ended, any version its UPDATE made was
+        // already there. Every transaction that writes during the scan is at or above it.
+        let horizon = ports::GetOldestNonRemovableTransactionId(rel);
         let scan = pg_sys::table_beginscan(rel, &mut any, 0, std::ptr::null_mut());
         let slot = pg_sys::table_slot_create(rel, std::ptr::null_mut());
         let mut hashes = Vec::with_capacity(BATCH);
@@ -174,10 +175,10 @@ unsafe fn scan_keys(rel: pg_sys::Relation, key: trigger::Key, mut load: impl FnM
 enum Version {
     /// Seen by a dirty snapshot (committed and not deleted, or of a transaction in progress): loaded and counted.
     Live,
-    /// Deleted by a transaction that committed before the scan began, or inserted by one that aborted: dead to
-    /// every snapshot, prunable by any process at any moment, so no load can count on finding it. Skipped: a purge
-    /// in small batches leaves thousands of them unpruned until VACUUM (a page pruned once, between two batches,
-    /// is not pruned again on the way), and loaded they filled a fresh generation past its target rate.
+    /// Deleted by a transaction that committed below VACUUM's horizon, or inserted by one that aborted: seen by no
+    /// snapshot, removable by any process at any moment, so no load can count on finding it. Skipped: a purge in
+    /// small batches leaves thousands of them unpruned until VACUUM (a page pruned once, between two batches, is
+    /// not pruned again on the way), and loaded they filled a fresh generation past its target rate.
     Dead,
     /// Anything else (deleted since the scan began, or by a transaction in progress): loaded, not counted.
     Other,
@@ -188,7 +189,7 @@ enum Version {
 ///
 /// # Safety
 /// `slot` must hold a version just returned by a table scan of an open table; `dirty` must be a dirty snapshot;
-/// `horizon` the xmin of a snapshot taken before the scan began.
+/// `horizon` VACUUM's horizon for the table, taken before the scan began.
 unsafe fn version(
     slot: *mut pg_sys::TupleTableSlot,
     dirty: &mut pg_sys::SnapshotData,
