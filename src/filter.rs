@@ -17,7 +17,7 @@
 //! - Loads read every row version physically in the table: committed ones, those still in progress (prepared
 //!   transactions included, which a restart does not end), and those deleted or updated since the load's snapshot
 //!   (an UPDATE that does not fire the trigger may move a row behind the scan), whatever the caller's snapshot;
-//!   all but the versions that no snapshot sees any more, which VACUUM could remove (rebuild.rs, `Version::Dead`).
+//!   all but the versions no snapshot may see any more, which VACUUM could remove (rebuild.rs, `Version::Dead`).
 //! - `dedup.attempt_counts` is guarded the same way, its rows keyed by inbox and id (`attempt_key`): an attempt at
 //!   an id the filter says the table certainly lacks does not read the table.
 //! - Expiry: marks expire but bits cannot be removed. When the active generation's measured false-positive rate

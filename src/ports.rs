@@ -6,7 +6,8 @@
 use pgrx::prelude::*;
 
 /// `GetOldestNonRemovableTransactionId(rel)` (`GetOldestXmin(rel, PROCARRAY_FLAGS_VACUUM)` in 13): VACUUM's
-/// horizon for `rel`, below which a committed deleter's versions are seen by no snapshot of any backend.
+/// horizon for `rel`, below which a committed deleter's versions are seen by no snapshot of a backend that can read
+/// `rel`.
 ///
 /// # Safety
 /// `rel` must be an open relation.

@@ -91,15 +91,15 @@ fn load_inbox(guard: &RebuildGuard, target: usize, relid: pg_sys::Oid) -> Result
     }
 }
 
-/// Reads every row version of `rel` that is physically there — not only the committed rows and those of
-/// transactions still in progress (prepared ones included), but also versions deleted or updated since this
-/// transaction's snapshot was taken, which no one may prune while it is held — and hands the hashes of their keys
-/// (`key`) to `load` in batches. The dead versions are what makes a load safe against an UPDATE that does not fire
-/// the trigger (a renewal sets `expires_at`, the worker rewrites a count): its new version may land on a page the
-/// scan has passed, and its old one die before the scan gets there; the old version is still read. Versions that
-/// VACUUM could already remove are skipped (`Version::Dead`). Straight from the heap: no SQL runs, so nothing an
-/// owner attached to the table runs either. Returns how many rows it read that are live or in progress (a dirty
-/// snapshot's view), the figure logs and `bloom_rebuild()` report.
+/// Reads every row version of `rel` that is physically there and some snapshot may still see — not only the committed
+/// rows and those of transactions still in progress (prepared ones included), but also versions deleted or updated
+/// since this transaction's snapshot was taken, which no one may prune while it is held — and hands the hashes of their
+/// keys (`key`) to `load` in batches. The dead versions are what makes a load safe against an UPDATE that does not fire
+/// the trigger (a renewal sets `expires_at`, the worker rewrites a count): its new version may land on a page the scan
+/// has passed, and its old one die before the scan gets there; the old version is still read. Versions that VACUUM
+/// could already remove are skipped (`Version::Dead`). Straight from the heap: no SQL runs, so nothing an owner
+/// attached to the table runs either. Returns how many rows it read that are live or in progress (a dirty snapshot's
+/// view), the figure logs and `bloom_rebuild()` report.
 ///
 /// # Safety
 /// `rel` must be an open table the filter guards, keyed as `key` says.
@@ -120,9 +120,10 @@ unsafe fn scan_keys(rel: pg_sys::Relation, key: trigger::Key, mut load: impl FnM
             pg_sys::ALLOCSET_DEFAULT_INITSIZE as usize,
             pg_sys::ALLOCSET_DEFAULT_MAXSIZE as usize,
         );
-        // VACUUM's horizon: a version whose deleter committed below it is seen by no snapshot of any backend (the
-        // caller's included), and since every transaction below it had ended, any version its UPDATE made was
-        // already there. Every transaction that writes during the scan is at or above it.
+        // VACUUM's horizon: a version whose deleter committed below it is seen by no snapshot of a backend that can
+        // read this table (this database's, the caller's included), and since every transaction of this database
+        // below it had ended, any version its UPDATE made was already there. Every transaction that writes during
+        // the scan is at or above it.
         let horizon = ports::GetOldestNonRemovableTransactionId(rel);
         let scan = pg_sys::table_beginscan(rel, &mut any, 0, std::ptr::null_mut());
         let slot = pg_sys::table_slot_create(rel, std::ptr::null_mut());
@@ -180,7 +181,8 @@ enum Version {
     /// small batches leaves thousands of them unpruned until VACUUM (a page pruned once, between two batches, is
     /// not pruned again on the way), and loaded they filled a fresh generation past its target rate.
     Dead,
-    /// Anything else (deleted since the scan began, or by a transaction in progress): loaded, not counted.
+    /// Anything else (deleted by a transaction at or above VACUUM's horizon: since the scan began, or while some
+    /// snapshot that may still see the version was open; or by one in progress): loaded, not counted.
     Other,
 }
 
