@@ -43,28 +43,30 @@ enum Pace {
     LargeBatches,
 }
 
-/// Switches the background worker's purging on or off (the benchmark's cluster starts with it off), at `pace`.
-fn set_worker_purge(c: &mut Client, on: bool, pace: Pace) {
-    c.batch_execute(&format!("ALTER SYSTEM SET dedup.purge = {on}")).unwrap();
-    // One statement per call: ALTER SYSTEM refuses to run in the implicit transaction of a multi-statement string.
-    let settings = match pace {
-        Pace::Full => [
-            format!("ALTER SYSTEM SET dedup.purge_batch_size = {BATCH_ROWS}"),
-            "ALTER SYSTEM SET dedup.purge_batch_delay = 0".to_owned(),
-        ],
-        Pace::Default => [
-            "ALTER SYSTEM RESET dedup.purge_batch_size".to_owned(),
-            "ALTER SYSTEM RESET dedup.purge_batch_delay".to_owned(),
-        ],
-        Pace::LargeBatches => [
-            format!("ALTER SYSTEM SET dedup.purge_batch_size = {BATCH_ROWS}"),
-            "ALTER SYSTEM RESET dedup.purge_batch_delay".to_owned(),
-        ],
-    };
-    for setting in settings {
-        c.batch_execute(&setting).unwrap();
+/// Sets the server's `dedup.` settings (`None`: back to the configuration file's), then reloads. One statement per
+/// call: ALTER SYSTEM refuses to run in the implicit transaction of a multi-statement string.
+fn set_system(c: &mut Client, settings: &[(&str, Option<String>)]) {
+    for (name, value) in settings {
+        let sql = match value {
+            Some(value) => format!("ALTER SYSTEM SET dedup.{name} = {value}"),
+            None => format!("ALTER SYSTEM RESET dedup.{name}"),
+        };
+        c.batch_execute(&sql).unwrap();
     }
     c.batch_execute("SELECT pg_reload_conf()").unwrap();
+}
+
+/// Switches the background worker's purging on or off (the benchmark's cluster starts with it off), at `pace`.
+fn set_worker_purge(c: &mut Client, on: bool, pace: Pace) {
+    let (batch_size, batch_delay) = match pace {
+        Pace::Full => (Some(BATCH_ROWS.to_string()), Some("0".to_owned())),
+        Pace::Default => (None, None),
+        Pace::LargeBatches => (Some(BATCH_ROWS.to_string()), None),
+    };
+    set_system(
+        c,
+        &[("purge", Some(on.to_string())), ("purge_batch_size", batch_size), ("purge_batch_delay", batch_delay)],
+    );
 }
 
 fn expired_left(c: &mut Client, table: &str) -> i64 {
@@ -275,8 +277,7 @@ fn under_load(c: &mut Client, pgbench: &Pgbench, scale: &Scale) -> Vec<Row> {
     // in full mode, and one longer than the interval is followed at once by an empty one whose record could be read
     // instead of its own. A round lasts longer than 5 s (its clients alone run `secs`), so each cycle still starts
     // as soon as purging goes on.
-    c.batch_execute("ALTER SYSTEM SET dedup.purge_interval = '5s'").unwrap();
-    c.batch_execute("SELECT pg_reload_conf()").unwrap();
+    set_system(c, &[("purge_interval", Some("'5s'".to_owned()))]);
     let mut paced_window = 0.0;
     let samples = alternate_samples(scale.rounds, 5, |variant, _| {
         c.batch_execute(&format!("DELETE FROM {table} WHERE id LIKE 'evt-%'")).unwrap();
@@ -332,8 +333,7 @@ fn under_load(c: &mut Client, pgbench: &Pgbench, scale: &Scale) -> Vec<Row> {
         }
         (rate, during)
     });
-    c.batch_execute("ALTER SYSTEM RESET dedup.purge_interval").unwrap();
-    c.batch_execute("SELECT pg_reload_conf()").unwrap();
+    set_system(c, &[("purge_interval", None)]);
     // A side's rate is the median of its rounds'. Its latencies are pooled over its rounds: a paced cycle lasted
     // about 0.2 s in batches of 10,000, so one round's p99 rested on its slowest few dozen marks, and the median of
     // such p99s followed whichever side's rounds happened to be quiet (1.87x, then 0.99x, in two full runs).
