@@ -4,7 +4,11 @@
 //! coordinator costs a mark: the distributed mark against a mark into an inbox of the coordinator itself. And the
 //! same mark with Citus's function delegation (`create_distributed_function(..., force_delegation => true)`, in a
 //! database of its own: it holds for every call of the function there), which runs `mark()` on the worker holding
-//! the id's shard; docs/scale-out.md says why pg_dedup does not offer it.
+//! the id's shard; docs/scale-out.md says why pg_dedup does not offer it. Beside them, in a transaction, three
+//! ceilings for any function in Citus's place: the hand-written `INSERT` run by a PL/pgSQL function (the wrapper a
+//! `SELECT` around a function adds), and two delegated functions, one doing nothing (the floor of the delegated
+//! road) and one inserting into a plain table of the worker with a cached plan (the cheapest write a delegated call
+//! could make, with no Citus executor in between).
 //!
 //! Citus supports PostgreSQL 16 and later, and the benchmark's main cluster is PostgreSQL 15: this section runs on
 //! the PostgreSQL that CITUS_PG_CONFIG names (the Makefile passes PostgreSQL 18's, where scripts/setup.sh builds
@@ -51,6 +55,14 @@ pub fn scenarios(scale: &Scale) -> Vec<Row> {
            SELECT create_distributed_table('hand_keys', 'id');"#,
     )
     .unwrap();
+    // Separate statements: Citus refuses to propagate a function in a transaction that already ran a parallel
+    // operation on a distributed table.
+    c.batch_execute(
+        "CREATE FUNCTION hand_insert(id text) RETURNS boolean LANGUAGE plpgsql AS $$
+           BEGIN INSERT INTO hand_keys VALUES (id, now() + interval '3 days') ON CONFLICT DO NOTHING; RETURN FOUND; END
+         $$;",
+    )
+    .unwrap();
     // Function delegation (docs/scale-out.md): Citus sends `SELECT dedup.mark(...)` itself to the worker that holds
     // the id's shard, for every call of the function in the database, so it gets a database of its own.
     let mut d = cluster.fresh_db("bench_delegated");
@@ -61,6 +73,25 @@ pub fn scenarios(scale: &Scale) -> Vec<Row> {
                                             force_delegation => true);",
     )
     .unwrap();
+    // The delegated road's ceilings: a call doing nothing, and one writing a plain table of the worker (not a
+    // shard: no Citus executor) with the hand-written table's columns and indexes, through PL/pgSQL's cached plan.
+    d.batch_execute(
+        r#"CREATE FUNCTION delegated_nothing(id text) RETURNS boolean LANGUAGE plpgsql AS $$BEGIN RETURN true; END$$;
+           CREATE FUNCTION delegated_local_insert(id text) RETURNS boolean LANGUAGE plpgsql AS $$
+             BEGIN INSERT INTO local_keys VALUES (id, now() + interval '3 days') ON CONFLICT DO NOTHING; RETURN FOUND; END
+           $$;
+           SELECT run_command_on_workers(
+             $$CREATE TABLE local_keys (id text COLLATE "C" PRIMARY KEY, expires_at timestamptz NOT NULL)$$);
+           SELECT run_command_on_workers($$CREATE INDEX ON local_keys (expires_at)$$);"#,
+    )
+    .unwrap();
+    for function in ["delegated_nothing", "delegated_local_insert"] {
+        d.batch_execute(&format!(
+            "SELECT create_distributed_function('{function}(text)', 'id', colocate_with => 'dedup.inbox_dist',
+                                                force_delegation => true);"
+        ))
+        .unwrap();
+    }
     drop(d);
     let pgbench = Pgbench::new(&cluster.coordinator, "bench");
     let delegated = Pgbench::new(&cluster.coordinator, "bench_delegated");
@@ -79,6 +110,12 @@ pub fn scenarios(scale: &Scale) -> Vec<Row> {
     let one_node = pgbench.script("citus_local", &format!("{new_id}SELECT dedup.mark('n-' || :r, NULL, 'local');\n"));
     let delegated_tx = delegated.script("citus_delegated_tx", &format!("{new_id}BEGIN;\n{mark}COMMIT;\n"));
     let delegated_alone = delegated.script("citus_delegated", &format!("{new_id}{mark}"));
+    let function_tx = in_tx("citus_function_tx", "SELECT hand_insert('n-' || :r);\n");
+    let delegated_in_tx = |name: &str, function: &str| {
+        delegated.script(name, &format!("{new_id}BEGIN;\nSELECT {function}('n-' || :r);\nCOMMIT;\n"))
+    };
+    let nothing_tx = delegated_in_tx("citus_delegated_nothing_tx", "delegated_nothing");
+    let local_tx = delegated_in_tx("citus_delegated_local_tx", "delegated_local_insert");
     let mut rows = Vec::new();
     for clients in [1, 8] {
         let setting = Setting {
@@ -89,10 +126,11 @@ pub fn scenarios(scale: &Scale) -> Vec<Row> {
             connect_per_tx: false,
             one_cpu: false,
         };
-        let mut sides: Vec<Side> = [ours_tx.clone(), hand_tx.clone(), ours.clone(), hand.clone(), one_node.clone()]
-            .map(|script| Side::Sql { script, ids: 1 })
-            .into();
-        for script in [delegated_tx.clone(), delegated_alone.clone()] {
+        let mut sides: Vec<Side> =
+            [ours_tx.clone(), hand_tx.clone(), ours.clone(), hand.clone(), one_node.clone(), function_tx.clone()]
+                .map(|script| Side::Sql { script, ids: 1 })
+                .into();
+        for script in [delegated_tx.clone(), delegated_alone.clone(), nothing_tx.clone(), local_tx.clone()] {
             sides.push(Side::SqlOn { pgbench: &delegated, script, ids: 1 });
         }
         let m = compare(&mut c, &pgbench, &setting, &sides);
@@ -107,6 +145,12 @@ pub fn scenarios(scale: &Scale) -> Vec<Row> {
             .goal(Goal::AtLeast(0.95)),
         );
         rows.push(Row::new(
+            &format!("Citus: ceiling: the hand-written INSERT run by a PL/pgSQL function vs hand-written, in a transaction, {at}"),
+            ("in a function", m[5].rate),
+            ("hand-written", m[1].rate),
+            "ids/s",
+        ));
+        rows.push(Row::new(
             &format!("Citus: the same, each alone in autocommit, {at}"),
             ("mark, distributed", m[2].rate),
             ("hand-written", m[3].rate),
@@ -115,15 +159,27 @@ pub fn scenarios(scale: &Scale) -> Vec<Row> {
         rows.push(
             Row::new(
                 &format!("Citus: mark() delegated to the worker (create_distributed_function) vs hand-written, in a transaction, {at}"),
-                ("mark, delegated", m[5].rate),
+                ("mark, delegated", m[6].rate),
                 ("hand-written", m[1].rate),
                 "ids/s",
             )
             .goal(Goal::AtLeast(1.0)),
         );
         rows.push(Row::new(
+            &format!("Citus: ceiling: a delegated function doing nothing vs hand-written, in a transaction, {at}"),
+            ("delegated, nothing", m[8].rate),
+            ("hand-written", m[1].rate),
+            "ids/s",
+        ));
+        rows.push(Row::new(
+            &format!("Citus: ceiling: a delegated function inserting into a plain table of the worker vs hand-written, in a transaction, {at}"),
+            ("delegated, plain table", m[9].rate),
+            ("hand-written", m[1].rate),
+            "ids/s",
+        ));
+        rows.push(Row::new(
             &format!("Citus: mark() delegated vs hand-written, each alone in autocommit, {at}"),
-            ("mark, delegated", m[6].rate),
+            ("mark, delegated", m[7].rate),
             ("hand-written", m[3].rate),
             "ids/s",
         ));
