@@ -135,20 +135,20 @@ pub fn scenarios(scale: &Scale) -> Vec<Row> {
         }
         let m = compare(&mut c, &pgbench, &setting, &sides);
         let at = setting.label();
+        // The rows against the hand-written INSERT in a transaction, all measured in the same rounds.
+        let in_tx_row = |scenario: &str, side: (&str, f64)| {
+            Row::new(&format!("Citus: {scenario} in a transaction, {at}"), side, ("hand-written", m[1].rate), "ids/s")
+        };
         rows.push(
-            Row::new(
-                &format!("Citus: mark() on a distributed inbox vs INSERT ... ON CONFLICT through Citus, in a transaction, {at}"),
+            in_tx_row(
+                "mark() on a distributed inbox vs INSERT ... ON CONFLICT through Citus,",
                 ("mark, distributed", m[0].rate),
-                ("hand-written", m[1].rate),
-                "ids/s",
             )
             .goal(Goal::AtLeast(0.95)),
         );
-        rows.push(Row::new(
-            &format!("Citus: ceiling: the hand-written INSERT run by a PL/pgSQL function vs hand-written, in a transaction, {at}"),
+        rows.push(in_tx_row(
+            "ceiling: the hand-written INSERT run by a PL/pgSQL function vs hand-written,",
             ("in a function", m[5].rate),
-            ("hand-written", m[1].rate),
-            "ids/s",
         ));
         rows.push(Row::new(
             &format!("Citus: the same, each alone in autocommit, {at}"),
@@ -157,25 +157,19 @@ pub fn scenarios(scale: &Scale) -> Vec<Row> {
             "ids/s",
         ));
         rows.push(
-            Row::new(
-                &format!("Citus: mark() delegated to the worker (create_distributed_function) vs hand-written, in a transaction, {at}"),
+            in_tx_row(
+                "mark() delegated to the worker (create_distributed_function) vs hand-written,",
                 ("mark, delegated", m[6].rate),
-                ("hand-written", m[1].rate),
-                "ids/s",
             )
             .goal(Goal::AtLeast(1.0)),
         );
-        rows.push(Row::new(
-            &format!("Citus: ceiling: a delegated function doing nothing vs hand-written, in a transaction, {at}"),
+        rows.push(in_tx_row(
+            "ceiling: a delegated function doing nothing vs hand-written,",
             ("delegated, nothing", m[8].rate),
-            ("hand-written", m[1].rate),
-            "ids/s",
         ));
-        rows.push(Row::new(
-            &format!("Citus: ceiling: a delegated function inserting into a plain table of the worker vs hand-written, in a transaction, {at}"),
+        rows.push(in_tx_row(
+            "ceiling: a delegated function inserting into a plain table of the worker vs hand-written,",
             ("delegated, plain table", m[9].rate),
-            ("hand-written", m[1].rate),
-            "ids/s",
         ));
         rows.push(Row::new(
             &format!("Citus: mark() delegated vs hand-written, each alone in autocommit, {at}"),
