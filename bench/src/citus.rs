@@ -27,6 +27,24 @@ use std::sync::OnceLock;
 /// them beside the main cluster's (they differ: `make bench` runs this section on PostgreSQL 18).
 pub static VERSIONS: OnceLock<String> = OnceLock::new();
 
+/// The hand-written table of keys, `name`: the inbox's id column and its `expires_at` index (the purge's, which the
+/// inbox's shards carry), so that every side pays for the same indexes.
+fn keys_table(name: &str) -> [String; 2] {
+    [
+        format!(r#"CREATE TABLE {name} (id text COLLATE "C" PRIMARY KEY, expires_at timestamptz NOT NULL)"#),
+        format!("CREATE INDEX ON {name} (expires_at)"),
+    ]
+}
+
+/// A PL/pgSQL function `name(id)` running the hand-written statement into `table` through its cached plan.
+fn insert_function(name: &str, table: &str) -> String {
+    format!(
+        "CREATE FUNCTION {name}(id text) RETURNS boolean LANGUAGE plpgsql AS $$
+           BEGIN INSERT INTO {table} VALUES (id, now() + interval '3 days') ON CONFLICT DO NOTHING; RETURN FOUND; END
+         $$"
+    )
+}
+
 pub fn scenarios(scale: &Scale) -> Vec<Row> {
     let Some(pg_config) = std::env::var_os("CITUS_PG_CONFIG").map(PathBuf::from) else {
         eprintln!("[bench] citus: skipped (CITUS_PG_CONFIG is not set; `make bench` sets it)");
@@ -46,24 +64,19 @@ pub fn scenarios(scale: &Scale) -> Vec<Row> {
         .unwrap();
     VERSIONS
         .get_or_init(|| format!("PostgreSQL {}, Citus {}", versions.get::<_, String>(0), versions.get::<_, String>(1)));
-    c.batch_execute(
-        r#"SELECT dedup.create_inbox('dist', '3 days');
-           SELECT dedup.distribute_inbox('dist');
-           SELECT dedup.create_inbox('local', '3 days');
-           CREATE TABLE hand_keys (id text COLLATE "C" PRIMARY KEY, expires_at timestamptz NOT NULL);
-           -- The inbox's shards carry an index on expires_at (the purge's); the baseline pays for the same one.
-           CREATE INDEX ON hand_keys (expires_at);
-           SELECT create_distributed_table('hand_keys', 'id');"#,
-    )
+    let [hand_keys, hand_keys_index] = keys_table("hand_keys");
+    c.batch_execute(&format!(
+        "SELECT dedup.create_inbox('dist', '3 days');
+         SELECT dedup.distribute_inbox('dist');
+         SELECT dedup.create_inbox('local', '3 days');
+         {hand_keys};
+         {hand_keys_index};
+         SELECT create_distributed_table('hand_keys', 'id');"
+    ))
     .unwrap();
     // Separate statements: Citus refuses to propagate a function in a transaction that already ran a parallel
     // operation on a distributed table.
-    c.batch_execute(
-        "CREATE FUNCTION hand_insert(id text) RETURNS boolean LANGUAGE plpgsql AS $$
-           BEGIN INSERT INTO hand_keys VALUES (id, now() + interval '3 days') ON CONFLICT DO NOTHING; RETURN FOUND; END
-         $$;",
-    )
-    .unwrap();
+    c.batch_execute(&insert_function("hand_insert", "hand_keys")).unwrap();
     // Function delegation (docs/scale-out.md): Citus sends `SELECT dedup.mark(...)` itself to the worker that holds
     // the id's shard, for every call of the function in the database, so it gets a database of its own.
     let mut d = cluster.fresh_db("bench_delegated");
@@ -78,28 +91,23 @@ pub fn scenarios(scale: &Scale) -> Vec<Row> {
     // inbox, and the same INSERT into a plain table of the worker (not a shard: no Citus executor), each through
     // PL/pgSQL's cached plan. The first says where it ran, checked below: a call Citus did not delegate would run
     // on the coordinator and make the floor look lower than it is.
-    d.batch_execute(
-        r#"CREATE TABLE hand_keys (id text COLLATE "C" PRIMARY KEY, expires_at timestamptz NOT NULL);
-           CREATE INDEX ON hand_keys (expires_at);
-           SELECT create_distributed_table('hand_keys', 'id', colocate_with => 'dedup.inbox_dist');"#,
-    )
+    d.batch_execute(&format!(
+        "{hand_keys};
+         {hand_keys_index};
+         SELECT create_distributed_table('hand_keys', 'id', colocate_with => 'dedup.inbox_dist');"
+    ))
     .unwrap();
-    d.batch_execute(
-        r#"CREATE FUNCTION delegated_nothing(id text) RETURNS boolean LANGUAGE plpgsql
-             AS $$BEGIN RETURN NOT pg_catalog.citus_is_coordinator(); END$$;
-           CREATE FUNCTION delegated_hand_insert(id text) RETURNS boolean LANGUAGE plpgsql AS $$
-             BEGIN INSERT INTO hand_keys VALUES (id, now() + interval '3 days') ON CONFLICT DO NOTHING; RETURN FOUND; END
-           $$;
-           CREATE FUNCTION delegated_local_insert(id text) RETURNS boolean LANGUAGE plpgsql AS $$
-             BEGIN INSERT INTO local_keys VALUES (id, now() + interval '3 days') ON CONFLICT DO NOTHING; RETURN FOUND; END
-           $$;"#,
-    )
+    d.batch_execute(&format!(
+        "CREATE FUNCTION delegated_nothing(id text) RETURNS boolean LANGUAGE plpgsql
+           AS $$BEGIN RETURN NOT pg_catalog.citus_is_coordinator(); END$$;
+         {};
+         {};",
+        insert_function("delegated_hand_insert", "hand_keys"),
+        insert_function("delegated_local_insert", "local_keys"),
+    ))
     .unwrap();
     // run_command_on_workers reports a failure in its result, not as an error.
-    for command in [
-        r#"CREATE TABLE local_keys (id text COLLATE "C" PRIMARY KEY, expires_at timestamptz NOT NULL)"#,
-        "CREATE INDEX ON local_keys (expires_at)",
-    ] {
+    for command in keys_table("local_keys") {
         let done: bool =
             d.query_one("SELECT bool_and(success) FROM run_command_on_workers($1)", &[&command]).unwrap().get(0);
         assert!(done, "run_command_on_workers({command:?}) failed on a worker");
@@ -123,23 +131,22 @@ pub fn scenarios(scale: &Scale) -> Vec<Row> {
     let insert = "INSERT INTO hand_keys VALUES ('n-' || :r, now() + interval '3 days') ON CONFLICT DO NOTHING;\n";
     // In a transaction, as a consumer runs them (with its business write): Citus opens the worker's transaction,
     // runs the statement and commits it, three round trips, on both sides.
-    let in_tx = |name: &str, statement: &str| pgbench.script(name, &format!("{new_id}BEGIN;\n{statement}COMMIT;\n"));
-    let ours_tx = in_tx("citus_mark_tx", mark);
-    let hand_tx = in_tx("citus_hand_tx", insert);
+    let in_tx =
+        |on: &Pgbench, name: &str, statement: &str| on.script(name, &format!("{new_id}BEGIN;\n{statement}COMMIT;\n"));
+    let ours_tx = in_tx(&pgbench, "citus_mark_tx", mark);
+    let hand_tx = in_tx(&pgbench, "citus_hand_tx", insert);
     // Alone in autocommit: Citus sends the bare INSERT as one single-shard command (one round trip), but a statement
     // run by a function as a transaction of its own (three), since the statement around the function may still fail.
     let ours = pgbench.script("citus_mark", &format!("{new_id}{mark}"));
     let hand = pgbench.script("citus_hand", &format!("{new_id}{insert}"));
     let one_node = pgbench.script("citus_local", &format!("{new_id}SELECT dedup.mark('n-' || :r, NULL, 'local');\n"));
-    let delegated_tx = delegated.script("citus_delegated_tx", &format!("{new_id}BEGIN;\n{mark}COMMIT;\n"));
+    let delegated_tx = in_tx(&delegated, "citus_delegated_tx", mark);
     let delegated_alone = delegated.script("citus_delegated", &format!("{new_id}{mark}"));
-    let function_tx = in_tx("citus_function_tx", "SELECT hand_insert('n-' || :r);\n");
-    let delegated_in_tx = |name: &str, function: &str| {
-        delegated.script(name, &format!("{new_id}BEGIN;\nSELECT {function}('n-' || :r);\nCOMMIT;\n"))
-    };
-    let nothing_tx = delegated_in_tx("citus_delegated_nothing_tx", "delegated_nothing");
-    let hand_delegated_tx = delegated_in_tx("citus_delegated_hand_tx", "delegated_hand_insert");
-    let local_tx = delegated_in_tx("citus_delegated_local_tx", "delegated_local_insert");
+    let call = |function: &str| format!("SELECT {function}('n-' || :r);\n");
+    let function_tx = in_tx(&pgbench, "citus_function_tx", &call("hand_insert"));
+    let nothing_tx = in_tx(&delegated, "citus_delegated_nothing_tx", &call("delegated_nothing"));
+    let hand_delegated_tx = in_tx(&delegated, "citus_delegated_hand_tx", &call("delegated_hand_insert"));
+    let local_tx = in_tx(&delegated, "citus_delegated_local_tx", &call("delegated_local_insert"));
     let mut rows = Vec::new();
     for clients in [1, 8] {
         let setting = Setting {
