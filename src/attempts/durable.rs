@@ -85,16 +85,19 @@ fn with_row<R>(
     }
 }
 
-/// The row of `id` in `inbox` as the worker last wrote it (None: none; a count that lapsed before `now` is 0). Not
-/// read when the filter, which holds the key of every row of the table (`trigger::Key::InboxAndId`), says it has
-/// certainly never been written: the usual case, an attempt at a new id.
+/// Has the worker certainly never written a row of `id` in `inbox`? The filter, which holds the key of every row of
+/// the table (`trigger::Key::InboxAndId`), says so of a new id, without a read of the table.
+pub fn certainly_none(inbox: &str, id: &str) -> bool {
+    let filter = filter::Trusted::for_inbox(shmem::namespace(table()));
+    filter.is_some_and(|f| !f.may_contain_key(&filter::attempt_key(inbox.as_bytes(), id.as_bytes())))
+}
+
+/// The row of `id` in `inbox` as the worker last wrote it (None: none; a count that lapsed before `now` is 0).
 pub fn read(inbox: &str, id: &str, now: i64) -> Option<Durable> {
-    let relid = table();
-    let filter = filter::Trusted::for_inbox(shmem::namespace(relid));
-    if filter.is_some_and(|f| !f.may_contain_key(&filter::attempt_key(inbox.as_bytes(), id.as_bytes()))) {
+    if certainly_none(inbox, id) {
         return None;
     }
-    with_row(relid, inbox, id, pg_sys::AccessShareLock, |_, found| {
+    with_row(table(), inbox, id, pg_sys::AccessShareLock, |_, found| {
         found.map(|f| match f.expires > now && f.count > 0 {
             true => Durable { count: f.count, first: f.first },
             false => Durable { count: 0, first: now },

@@ -148,11 +148,17 @@ fn attempt(id: Option<&str>, inbox: default!(Option<&str>, "'default'")) -> i32 
     let expires = expiry(now, inbox.default_ttl());
     let (now_us, expires_us) = (now.into_inner(), expires.into_inner());
     let count = loop {
-        if let Some(count) = store.bump_held(inbox.ns, id, now_us, expires_us) {
-            break count;
-        }
+        // Read before the durable count is: see `Store::bump_new`.
         let seen = store.evictions();
-        let durable = durable::read(&inbox.name, id, now_us);
+        // A new id, which the durable table certainly lacks (the usual case), takes the store's lock once: the store
+        // holds its count if anyone's attempt or forget came first.
+        let durable = match durable::certainly_none(&inbox.name, id) {
+            true => None,
+            false => match store.bump_held(inbox.ns, id, now_us, expires_us) {
+                Some(count) => break count,
+                None => durable::read(&inbox.name, id, now_us),
+            },
+        };
         match store.bump_new(inbox.ns, id, now_us, expires_us, durable, seen) {
             Ok(Some(count)) => break count,
             Ok(None) => continue, // a slot was freed meanwhile: the durable count may be stale

@@ -384,7 +384,12 @@ impl Store {
     pub fn bump_held(&self, ns: u64, id: &str, now: i64, expires: i64) -> Option<u32> {
         let locked = self.lock();
         let (_, n) = self.find(&locked, ns, hash(ns, id.as_bytes()), id.as_bytes())?;
-        let (head, _) = self.slot(&locked, n);
+        Some(self.bump_slot(&locked, n, now, expires))
+    }
+
+    /// Counts one more attempt in used slot `n`, and returns the new count (see `bump_held`).
+    fn bump_slot(&self, locked: &Locked, n: usize, now: i64, expires: i64) -> u32 {
+        let (head, _) = self.slot(locked, n);
         if head.expires <= now {
             head.count = 0;
             head.first = now;
@@ -395,8 +400,8 @@ impl Store {
         let count = head.count;
         // Dirty even when the count equals what the worker wrote (one that started again and climbed back to it, or
         // one at the top): the row's last attempt and window changed.
-        self.changed(&locked, n);
-        Some(count)
+        self.changed(locked, n);
+        count
     }
 
     /// Slot `n`'s count changed under `locked`: the slot is dirty, its bit set for the worker's copy, and the change
@@ -432,9 +437,10 @@ impl Store {
         self.header().evictions.load(Ordering::Acquire)
     }
 
-    /// Counts one more attempt of `id`, starting from `durable` (its row in the durable table, None if it has none,
-    /// read after `evictions()` returned `seen`). Ok(None) when that reading may be stale (a slot was freed since: read again);
-    /// Err(Full) when there is no slot to take.
+    /// Counts one more attempt of `id`: in its slot if the store holds one, else starting from `durable` (its row in
+    /// the durable table, None if it has none, read after `evictions()` returned `seen`) in a slot taken for it.
+    /// Ok(None) when that reading may be stale (a slot was freed since: read again); Err(Full) when there is no slot
+    /// to take.
     pub fn bump_new(
         &self,
         ns: u64,
@@ -447,10 +453,10 @@ impl Store {
         let bytes = id.as_bytes();
         let hash = hash(ns, bytes);
         let locked = self.lock();
-        if self.find(&locked, ns, hash, bytes).is_some() {
-            // Another process made the slot meanwhile: its count is the one that counts.
-            drop(locked);
-            return Ok(self.bump_held(ns, id, now, expires));
+        if let Some((_, n)) = self.find(&locked, ns, hash, bytes) {
+            // Made meanwhile, or before a caller that did not look (the durable table lacks the id: a count not
+            // written yet): its count is the one that counts.
+            return Ok(Some(self.bump_slot(&locked, n, now, expires)));
         }
         if self.evictions() != seen {
             return Ok(None);
