@@ -114,14 +114,17 @@ SELECT i.inbox, c.marks, c.duplicates, c.renewals, c.purged, i.backlog, c.lookup
  CROSS JOIN dedup.filter_stats() AS f;
 DROP FUNCTION dedup.inbox_counters();
 
+-- Keyed by id first, both columns bytewise: the worker's inserts compare ids, and an inbox's name only between equal
+-- ids (the inbox first, in the database's collation, cost every comparison a call for the inbox and a fetch of the
+-- id past it: 8% more of the worker's CPU per count written, measured under attempt() at pgbench speed).
 CREATE TABLE dedup.attempt_counts (
-    inbox         text NOT NULL,
+    inbox         text COLLATE "C" NOT NULL,
     id            text COLLATE "C" NOT NULL,
     attempts      integer NOT NULL CHECK (attempts > 0),
     first_attempt timestamptz NOT NULL,
     last_attempt  timestamptz NOT NULL,
     expires_at    timestamptz NOT NULL,
-    PRIMARY KEY (inbox, id)
+    PRIMARY KEY (id, inbox)
 );
 CREATE INDEX ON dedup.attempt_counts (inbox, expires_at);
 SELECT pg_catalog.pg_extension_config_dump('dedup.attempt_counts', '');

@@ -49,7 +49,8 @@ fn with_row<R>(
         let snapshot = pg_sys::RegisterSnapshot(pg_sys::GetLatestSnapshot());
         let scan = ports::index_beginscan(rel, index, snapshot, 2);
         let mut keys = [pg_sys::ScanKeyData::default(), pg_sys::ScanKeyData::default()];
-        for (i, value) in [inbox, id].into_iter().enumerate() {
+        // The primary key's columns: (id, inbox).
+        for (i, value) in [id, inbox].into_iter().enumerate() {
             pg_sys::ScanKeyInit(
                 &mut keys[i],
                 i as pg_sys::AttrNumber + 1,

@@ -365,10 +365,10 @@ fn write_changed(store: &store::Store) -> (Vec<store::Count>, bool) {
     }
     // Rows of ids the table holds none of (the store knows them: `stored`) are inserted without a look for a
     // conflicting row first, which ON CONFLICT's speculative insertion would cost about as much again. Should one be
-    // there anyway (written by hand), its chunk is undone and written the other way. Sorted by inbox and id, bytewise
-    // (the ids' order in the primary key), in chunks small enough for the statement's arrays to stay in memory.
+    // there anyway (written by hand), its chunk is undone and written the other way. Sorted by id and inbox, bytewise
+    // (the primary key's order), in chunks small enough for the statement's arrays to stay in memory.
     let is_new = |c: &store::Count| !c.stored && c.count > 0;
-    rows.sort_unstable_by(|(a, x), (b, y)| (is_new(x), a, &x.id).cmp(&(is_new(y), b, &y.id)));
+    rows.sort_unstable_by(|(a, x), (b, y)| (is_new(x), &x.id, a).cmp(&(is_new(y), &y.id, b)));
     let first_new = rows.partition_point(|(_, c)| !is_new(c));
     for chunk in rows[..first_new].chunks(WRITE_CHUNK) {
         run(Stmt::Write, &write_args(chunk));
