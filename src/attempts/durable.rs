@@ -93,11 +93,9 @@ pub fn certainly_none(inbox: &str, id: &str) -> bool {
     filter.is_some_and(|f| !f.may_contain_key(&filter::attempt_key(inbox.as_bytes(), id.as_bytes())))
 }
 
-/// The row of `id` in `inbox` as the worker last wrote it (None: none; a count that lapsed before `now` is 0).
+/// The row of `id` in `inbox` as the worker last wrote it (None: none; a count that lapsed before `now` is 0), read
+/// from the table (ask `certainly_none` first).
 pub fn read(inbox: &str, id: &str, now: i64) -> Option<Durable> {
-    if certainly_none(inbox, id) {
-        return None;
-    }
     with_row(table(), inbox, id, pg_sys::AccessShareLock, |_, found| {
         found.map(|f| match f.expires > now && f.count > 0 {
             true => Durable { count: f.count, first: f.first },

@@ -62,7 +62,7 @@ impl Stmt {
                              AND a.id OPERATOR(pg_catalog.=) w.id) \
                  INSERT INTO dedup.attempt_counts AS a \
                  SELECT * FROM w WHERE w.attempts OPERATOR(pg_catalog.>) 0 \
-                 ON CONFLICT (inbox, id) DO UPDATE SET attempts = excluded.attempts, \
+                 ON CONFLICT (id, inbox) DO UPDATE SET attempts = excluded.attempts, \
                    first_attempt = excluded.first_attempt, last_attempt = excluded.last_attempt, \
                    expires_at = excluded.expires_at"
             ),

@@ -3,8 +3,9 @@
 //! found through an open-addressing index, all behind one spin lock that is held only for a probe and a few stores
 //! (no I/O and no call into PostgreSQL while it is held). The index's cells carry part of their slot's hash, so a
 //! probe reads only the slot that matches. The worker's passes (copying the dirty counts, sweeping lapsed ones) take
-//! the lock for `PASS_CHUNK` slots at a time, so attempts wait for a chunk, never for a whole pass; only building
-//! the index again (when three quarters of its cells are taken) holds it longer.
+//! the lock for about `PASS_CHUNK` slots at a time (the copy: as many slots read, or words of dirty bits), so attempts
+//! wait for a chunk, never for a whole pass; only building the index again (when three quarters of its cells are
+//! taken) holds it longer.
 //!
 //! A slot is *dirty* while it holds what the worker has not written: its count differs from `flushed`, which an
 //! attempt or a forget sets to `u32::MAX` (each changes the durable row: its count, or at least its last attempt
@@ -14,9 +15,10 @@
 //! that count may have gone stale meanwhile (the id's slot flushed and evicted in between).
 //!
 //! Every slot that turns dirty has its bit set in `dirty` (a bit per slot), so the worker's copy reads the bits and
-//! the slots they point to, not every slot: at a million slots a pass over all of them reads ~190 MB, and took the
-//! callers' lock a thousand times a round, which cost `attempt()` at 8 clients a third of its rate (profile, issue
-//! 24). A bit may outlive its slot's dirtiness (written, or freed): the copy clears it when it finds the slot clean.
+//! the slots they point to, not every slot: at a million slots a pass over all of them reads a head in each of
+//! ~240 MB and took the callers' lock a thousand times a round, which cost `attempt()` at 8 clients about a tenth of
+//! its rate (bench/results/profiles/issue-24.md). A bit may outlive its slot's dirtiness (the slot written, or
+//! freed): the copy clears it when it finds the slot clean or free.
 //!
 //! The worker's passes run only when they may find something: the copy of dirty counts when some count of its
 //! database changed since a round that left none of its database dirty (`changes`, counted per bucket of databases:
@@ -148,9 +150,9 @@ struct Guarded {
     changed_low: [i64; SWEEPS],
 }
 
-/// Buckets of `Guarded::changes`. Databases whose oids agree modulo this share one, and so each other's copy passes
-/// (a read of every slot, perhaps for nothing of its own); a cluster has rarely more than a few databases with
-/// workers.
+/// Buckets of `Guarded::changes`. Databases whose oids agree modulo this share one, and so each other's copies (a read
+/// of the dirty bits and of the slots they point to, perhaps for nothing of its own); a cluster has rarely more than a
+/// few databases with workers.
 const CHANGE_BUCKETS: usize = 64;
 
 /// The bucket of `Guarded::changes` that counts the changes of database `db`.
@@ -216,14 +218,18 @@ fn dirty_words(slots: usize) -> usize {
     slots.div_ceil(64)
 }
 
-/// Bytes of a store of `max` short slots (and its long ones): the header, the index, the dirty bits, the slots.
+/// Where the index, the dirty bits and the slots start in a store of `slots` slots and `index_len` index cells: they
+/// follow the header in that order, 8-aligned.
+fn offsets(index_len: usize, slots: usize) -> (usize, usize, usize) {
+    let index = std::mem::size_of::<StoreHeader>().next_multiple_of(8);
+    let bits = index + index_len * 8;
+    (index, bits, bits + dirty_words(slots) * 8)
+}
+
+/// Bytes of a store of `max` short slots (and its long ones).
 pub fn size(max: usize) -> usize {
     let (short, long, index_len) = shape(max);
-    std::mem::size_of::<StoreHeader>().next_multiple_of(8)
-        + index_len * 8
-        + dirty_words(short + long) * 8
-        + short * stride(SHORT_ID)
-        + long * stride(LONG_ID)
+    offsets(index_len, short + long).2 + short * stride(SHORT_ID) + long * stride(LONG_ID)
 }
 
 /// One more attempt than `count`, up to the largest an `integer` holds (where a count stays: it never wraps).
@@ -294,12 +300,11 @@ impl Store {
     // reference only while it works on that part of the store, never two of the same part at once.
     #[allow(clippy::mut_from_ref)]
     fn index(&self, _: &Locked) -> &mut [u64] {
-        let h = self.header();
-        // SAFETY: the index follows the header, 8-aligned; the lock is held, so no one else reads or writes it.
-        unsafe {
-            let at = self.base.add(std::mem::size_of::<StoreHeader>().next_multiple_of(8)) as *mut u64;
-            std::slice::from_raw_parts_mut(at, h.index_len as usize)
-        }
+        let len = self.header().index_len as usize;
+        let (at, _, _) = offsets(len, self.slots());
+        // SAFETY: the index lies inside the store (`size`), 8-aligned; the lock is held, so no one else reads or
+        // writes it.
+        unsafe { std::slice::from_raw_parts_mut(self.base.add(at) as *mut u64, len) }
     }
 
     fn slots(&self) -> usize {
@@ -311,12 +316,9 @@ impl Store {
     // reference only while it works on that part of the store, never two of the same part at once.
     #[allow(clippy::mut_from_ref)]
     fn dirty(&self, _: &Locked) -> &mut [u64] {
-        let h = self.header();
-        // SAFETY: the bits follow the index, 8-aligned (`size`); the lock is held.
-        unsafe {
-            let at = self.base.add(std::mem::size_of::<StoreHeader>().next_multiple_of(8) + h.index_len as usize * 8);
-            std::slice::from_raw_parts_mut(at as *mut u64, dirty_words(self.slots()))
-        }
+        let (_, at, _) = offsets(self.header().index_len as usize, self.slots());
+        // SAFETY: the bits lie inside the store (`size`), 8-aligned; the lock is held.
+        unsafe { std::slice::from_raw_parts_mut(self.base.add(at) as *mut u64, dirty_words(self.slots())) }
     }
 
     /// Slot `n`'s head and id bytes (short slots first, then long ones).
@@ -327,9 +329,7 @@ impl Store {
         let h = self.header();
         let short = h.short as usize;
         let (offset, capacity) = {
-            let start = std::mem::size_of::<StoreHeader>().next_multiple_of(8)
-                + h.index_len as usize * 8
-                + dirty_words(self.slots()) * 8;
+            let (_, _, start) = offsets(h.index_len as usize, self.slots());
             if n < short {
                 (start + n * stride(SHORT_ID), SHORT_ID)
             } else {
@@ -455,7 +455,7 @@ impl Store {
         let locked = self.lock();
         if let Some((_, n)) = self.find(&locked, ns, hash, bytes) {
             // Made meanwhile, or before a caller that did not look (the durable table lacks the id: a count not
-            // written yet): its count is the one that counts.
+            // written yet, or a forget's): its count is the one that counts.
             return Ok(Some(self.bump_slot(&locked, n, now, expires)));
         }
         if self.evictions() != seen {
@@ -592,28 +592,29 @@ impl Store {
     }
 
     /// Calls `visit` for every used, dirty slot, found by its bit, and clears the bits of the slots it finds clean or
-    /// free. The lock is held for `PASS_CHUNK` slots' bits, or about as many dirty slots, at a time. A slot that turns
-    /// dirty during the pass in a word already passed is left for the next one (its change is counted: `changes`).
+    /// free. The lock is held for `PASS_CHUNK` words of bits or about as many slots read (dirty or not: a round's
+    /// written counts are runs of bits whose slots turned clean), whichever comes first. A slot that turns dirty
+    /// during the pass in a word already passed is left for the next one (its change is counted: `changes`).
     fn dirty_pass(&self, mut visit: impl FnMut(&Locked, usize)) {
         let words = dirty_words(self.slots());
         let mut w = 0;
         while w < words {
             let locked = self.lock();
-            let (mut scanned, mut visited) = (0, 0);
-            while w < words && scanned < PASS_CHUNK && visited < PASS_CHUNK {
+            let (mut words_read, mut slots_read) = (0, 0);
+            while w < words && words_read < PASS_CHUNK && slots_read < PASS_CHUNK {
                 let mut bits = self.dirty(&locked)[w];
+                slots_read += bits.count_ones() as usize;
                 while bits != 0 {
                     let n = w * 64 + bits.trailing_zeros() as usize;
                     bits &= bits - 1;
                     let (head, _) = self.slot(&locked, n);
                     if head.used && !head.clean() {
                         visit(&locked, n);
-                        visited += 1;
                     } else {
                         self.dirty(&locked)[w] &= !(1 << (n % 64));
                     }
                 }
-                (w, scanned) = (w + 1, scanned + 1);
+                (w, words_read) = (w + 1, words_read + 1);
             }
         }
     }
@@ -793,8 +794,10 @@ mod tests {
 
     #[pg_test]
     fn the_copy_finds_every_dirty_count_by_its_bit_and_clears_the_bits_of_clean_ones() {
-        // Four chunks of slots, all written (clean), then dirty again here and there in each way a count changes.
-        let max = 4 * PASS_CHUNK;
+        // More slots than a taking of the lock reads the bits of (`PASS_CHUNK` words), all written (clean), then dirty
+        // again here and there in each way a count changes: the copy stops for the lock both at dirty slots read and
+        // at words read.
+        let max = 64 * PASS_CHUNK + 640;
         let mut memory = vec![0u64; size(max) / 8 + 1];
         // SAFETY: as in `store`.
         let store = unsafe { Store::at(memory.as_mut_ptr() as *mut u8, max) };
