@@ -3,7 +3,7 @@
 //! that fails on a message and rolls back (or dies) finds the attempt counted the next time the message comes, and
 //! can park a message that keeps failing ("poison") after N tries, inside its transaction.
 //!
-//! Where counts live: in shared memory (`store`), where an attempt is one increment under a spin lock (no row and no
+//! Where counts live: in shared memory (`store`), where an attempt is one increment under a short lock (no row and no
 //! WAL on the caller's path), and in `dedup.attempt_counts`, where the database's worker writes every count that
 //! changed, every `dedup.attempts_flush_interval` and when it stops (a clean shutdown stops it first), in
 //! transactions of its own. A count the store does not hold (evicted, or after a restart) starts from the table.
@@ -15,6 +15,7 @@
 //! written yet) refuses the attempt with a `dedup:` error rather than lose a count or wait.
 
 mod durable;
+mod lock;
 mod store;
 
 use crate::clock::{expiry, statement_now};

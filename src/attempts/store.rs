@@ -1,11 +1,11 @@
-//! The counts of delivery attempts in shared memory, before and after the worker makes them durable: a fixed number
-//! of slots (`dedup.attempts_max` for ids of at most `SHORT_ID` bytes, a 64th of that, at least 16, for longer ones),
-//! found through an open-addressing index, all behind one spin lock that is held only for a probe and a few stores
-//! (no I/O and no call into PostgreSQL while it is held). The index's cells carry part of their slot's hash, so a
-//! probe reads only the slot that matches. The worker's passes (copying the dirty counts, sweeping lapsed ones) take
+//! The counts of delivery attempts in shared memory, before and after the worker makes them durable: a fixed number of
+//! slots (`dedup.attempts_max` for ids of at most `SHORT_ID` bytes, a 64th of that, at least 16, for longer ones),
+//! found through an open-addressing index, all behind one lock (`lock.rs`) that is held only for a probe and a few
+//! stores (no I/O and no call into PostgreSQL while it is held). The index's cells carry part of their slot's hash, so
+//! a probe reads only the slot that matches. The worker's passes (copying the dirty counts, sweeping lapsed ones) take
 //! the lock for about `PASS_CHUNK` slots at a time (the copy: as many slots read, or words of dirty bits), so attempts
-//! wait for a chunk, never for a whole pass; only building the index again (when three quarters of its cells are
-//! taken) holds it longer.
+//! wait for a chunk, never for a whole pass; only building the index again (when three quarters of its cells are taken)
+//! holds it longer.
 //!
 //! A slot is *dirty* while it holds what the worker has not written: its count differs from `flushed`, which an
 //! attempt or a forget sets to `u32::MAX` (each changes the durable row: its count, or at least its last attempt
@@ -35,8 +35,9 @@
 //! The memory is zeroed when PostgreSQL creates it (start, and re-initialisation after a crash): all zero is an
 //! empty store. Everything after a crash starts again from what the worker had written.
 
+use super::lock::Lock;
 use std::cell::UnsafeCell;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Ids up to this many bytes take a short slot; longer ones (up to 2048, the limit of an id) a long one.
 pub const SHORT_ID: usize = 128;
@@ -47,8 +48,6 @@ const EMPTY: u64 = 0;
 const FREED: u64 = u64::MAX;
 /// Slots the worker's passes look at per taking of the lock.
 const PASS_CHUNK: usize = 1024;
-/// Turns a process waiting for the lock spins before it yields the CPU.
-const SPINS: u32 = 200;
 
 /// The index cell of slot `n` whose id hashes to `hash`: the slot's number plus one in the low half (never 0, and
 /// never all ones, since there are fewer than 2^32 - 1 slots), the hash's high half above it.
@@ -120,7 +119,7 @@ pub struct Full;
 /// in a cell of its own (so that the holder's `&mut` of it never covers what others touch without the lock).
 #[repr(C)]
 struct StoreHeader {
-    lock: AtomicBool,
+    lock: Lock,
     evictions: AtomicU64,
     short: u32,
     long: u32,
@@ -247,7 +246,7 @@ struct Locked<'a>(&'a Store);
 
 impl Drop for Locked<'_> {
     fn drop(&mut self) {
-        self.0.header().lock.store(false, Ordering::Release);
+        self.0.header().lock.release();
     }
 }
 
@@ -279,20 +278,7 @@ impl Store {
     }
 
     fn lock(&self) -> Locked<'_> {
-        let lock = &self.header().lock;
-        let mut spins = 0;
-        while lock.compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed).is_err() {
-            // The holder keeps it for a probe and a few stores: spin on a plain read a while, then give the CPU
-            // away (on a busy machine the holder may be waiting for it).
-            while lock.load(Ordering::Relaxed) {
-                if spins < SPINS {
-                    spins += 1;
-                    std::hint::spin_loop();
-                } else {
-                    std::thread::yield_now();
-                }
-            }
-        }
+        self.header().lock.acquire();
         Locked(self)
     }
 
@@ -738,6 +724,7 @@ mod tests {
     use super::*;
     use pgrx::pg_sys::Oid;
     use pgrx::prelude::*;
+    use std::sync::atomic::AtomicBool;
 
     /// The key of an inbox (table 1) of database 1, and of one of database 2.
     const NS: u64 = (1 << 32) | 1;
