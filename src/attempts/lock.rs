@@ -5,6 +5,7 @@
 //! spent 16% of their samples yielding, half of `attempt()`'s (bench/results/profiles/issue-24.md, stop 52). Asleep,
 //! a waiter is off the run queue until the holder gives the lock back and wakes it. Drepper's mutex ("Futexes Are
 //! Tricky"), as Rust's own: 0 free, 1 taken, 2 taken and slept on.
+
 use std::sync::atomic::{AtomicU32, Ordering};
 
 const FREE: u32 = 0;
