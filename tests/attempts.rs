@@ -3,7 +3,8 @@
 //! exactly by eight racing sessions; reset by forget() (when it commits), by their window passing, and purged; the
 //! privileges of the view; a standby; a full store; the Bloom filter in front of the durable table (which lets an
 //! attempt at a new id skip reading it) missing no row, however it was written; an idle store costing the worker no
-//! pass over its slots, even while another database counts.
+//! pass over its slots, even while another database counts; a trigger an owner put on the durable table firing for
+//! every count the worker writes.
 
 use pg_dedup_harness::postgres::Client;
 use pg_dedup_tests::*;
@@ -13,7 +14,7 @@ use std::time::{Duration, Instant};
 
 /// The databases of this file's tests, each served by a worker of the shared server.
 const DATABASES: &str = "att_rollback, att_client, att_race, att_ttl, att_forget, att_rights, att_prepare, att_drop, \
-                         att_range, att_filter, att_clash";
+                         att_range, att_filter, att_clash, att_owner";
 
 /// A preloaded server whose workers serve this file's databases, making counts durable every 100 ms.
 fn server() -> &'static Cluster {
@@ -522,4 +523,37 @@ fn a_row_written_by_hand_for_an_id_the_worker_inserts_does_not_stop_the_worker()
     assert_eq!(attempt(&mut c, "clash"), 2);
     assert_eq!(attempt(&mut c, "after"), 1);
     eventually("the worker goes on writing", || durable(&mut c, "after") == 1 && durable(&mut c, "clash") == 2);
+}
+
+#[test]
+fn an_owners_trigger_on_the_table_fires_for_every_count_the_worker_writes() {
+    // The worker inserts new counts straight into the table's heap and indexes, past the executor, only while the
+    // table is as the extension made it: with a trigger of the owner's on it, the rows go through SQL, and it fires.
+    let mut c = server().fresh_db("att_owner");
+    wait_for_worker(&mut c);
+    c.batch_execute(
+        "CREATE TABLE public.audit (id text);
+         CREATE FUNCTION public.audit() RETURNS trigger LANGUAGE plpgsql AS
+           $$BEGIN INSERT INTO public.audit VALUES (NEW.id); RETURN NEW; END$$;
+         CREATE TRIGGER audit AFTER INSERT OR UPDATE ON dedup.attempt_counts FOR EACH ROW EXECUTE FUNCTION public.audit()",
+    )
+    .unwrap();
+    let audited = |c: &mut Client, id: &str| -> i64 {
+        c.query_one("SELECT count(*) FROM public.audit WHERE id = $1", &[&id]).unwrap().get(0)
+    };
+    for id in ["seen-a", "seen-b", "seen-c"] {
+        assert_eq!(attempt(&mut c, id), 1);
+    }
+    eventually("the worker writes the counts", || {
+        ["seen-a", "seen-b", "seen-c"].iter().all(|id| durable(&mut c, id) == 1)
+    });
+    for id in ["seen-a", "seen-b", "seen-c"] {
+        assert_eq!(audited(&mut c, id), 1, "the trigger fired for {id}");
+    }
+    // Without it, the worker's rows go straight in again: nothing audits them.
+    c.batch_execute("DROP TRIGGER audit ON dedup.attempt_counts").unwrap();
+    assert_eq!(attempt(&mut c, "unseen"), 1);
+    eventually("the worker writes the count", || durable(&mut c, "unseen") == 1);
+    assert_eq!(audited(&mut c, "unseen"), 0);
+    assert_eq!(attempt(&mut c, "unseen"), 2, "read back from the table or the store");
 }

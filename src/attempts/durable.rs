@@ -2,8 +2,13 @@
 //! `attempt()` nor `forget()` needs the extension owner's rights to reach the table (their callers' rights on the
 //! inbox were checked), and both work inside a security-restricted operation. Read with the latest snapshot, not
 //! the caller's: a count the worker wrote after a REPEATABLE READ transaction began is the one to go on from.
+//!
+//! And the worker's rows of counts new to the table, inserted straight into its heap and indexes (`insert_new`):
+//! through SQL, unnesting the statement's arrays, sorting and running the executor and the filter trigger per row
+//! took a third of the worker's CPU per count, what the rows themselves cost the rest.
 
-use super::store::Durable;
+use super::store::{Count, Durable};
+use crate::direct::{self, text};
 use crate::errors::internal;
 use crate::{catalog, filter, ports, shmem};
 use pgrx::prelude::*;
@@ -34,12 +39,6 @@ fn with_row<R>(
     lock: u32,
     f: impl FnOnce(pg_sys::Relation, Option<Found>) -> R,
 ) -> R {
-    let text = |s: &str| {
-        // SAFETY: copies the bytes into a new varlena in the current memory context.
-        pg_sys::Datum::from(unsafe {
-            pg_sys::cstring_to_text_with_len(s.as_ptr() as *const std::ffi::c_char, s.len() as i32)
-        })
-    };
     // SAFETY: the table and its primary key are opened and locked here (the locks kept until the transaction ends),
     // scanned with a registered snapshot, and closed before returning; the values are copied out of the slot before it
     // is dropped.
@@ -130,4 +129,171 @@ pub fn delete(inbox: &str, id: &str) {
         }
     }
     internal("deleting a count of attempts", "it kept being rewritten")
+}
+
+/// Inserts `rows` (each count with its inbox's name; counts above zero, of ids the table holds no row of as far as
+/// the worker knows) straight into the table's heap and indexes, and their keys into the filter, as the filter
+/// trigger would: true. A row that exists after all raises unique_violation, as an INSERT would. False, with nothing
+/// written, when the table needs more than that (`plain`): the caller writes them with SQL.
+pub fn insert_new(rows: &[(String, Count)]) -> bool {
+    let relid = table();
+    // SAFETY: locks the table by oid as an INSERT would (held until the transaction ends), which takes in the
+    // invalidations that arrived meanwhile, before its shape is read.
+    unsafe { pg_sys::LockRelationOid(relid, pg_sys::RowExclusiveLock as pg_sys::LOCKMODE) };
+    if !plain(relid) {
+        return false;
+    }
+    // SAFETY: locked above; `plain` says the rows need nothing but themselves, their index entries and their filter
+    // keys (added below), and each count is above zero (the one CHECK constraint). Each slot gets the six columns
+    // `plain` checked, none NULL.
+    unsafe {
+        direct::insert_rows(relid, rows.len(), |i, slot| {
+            let (inbox, count) = &rows[i];
+            let values = [
+                text(inbox),
+                text(&count.id),
+                pg_sys::Datum::from(count.count as i32),
+                pg_sys::Datum::from(count.first),
+                pg_sys::Datum::from(count.last),
+                pg_sys::Datum::from(count.expires),
+            ];
+            pg_sys::ExecClearTuple(slot);
+            for (column, value) in values.into_iter().enumerate() {
+                *(*slot).tts_values.add(column) = value;
+                *(*slot).tts_isnull.add(column) = false;
+            }
+            pg_sys::ExecStoreVirtualTuple(slot);
+        })
+    };
+    let keys: Vec<_> = rows.iter().map(|(inbox, c)| filter::attempt_key(inbox.as_bytes(), c.id.as_bytes())).collect();
+    filter::add_keys(shmem::namespace(relid), &keys);
+    true
+}
+
+/// The table's columns, as the extension makes it.
+const COLUMNS: [(&str, pg_sys::Oid); 6] = [
+    ("inbox", pg_sys::TEXTOID),
+    ("id", pg_sys::TEXTOID),
+    ("attempts", pg_sys::INT4OID),
+    ("first_attempt", pg_sys::TIMESTAMPTZOID),
+    ("last_attempt", pg_sys::TIMESTAMPTZOID),
+    ("expires_at", pg_sys::TIMESTAMPTZOID),
+];
+
+/// The name of its one CHECK constraint (`attempts > 0`).
+const CHECK: &std::ffi::CStr = c"attempt_counts_attempts_check";
+
+/// Does a row of table `relid` (`table()`, locked) need nothing but its values, index entries and filter keys, so
+/// that the worker may write it without the executor? While the table is as the extension made it
+/// (`direct::needs_only_rows`, its one CHECK constraint kept by every count written): anything an owner added since
+/// sends the rows through SQL.
+fn plain(relid: pg_sys::Oid) -> bool {
+    // SAFETY: the table is locked by the caller; opened only to be read, and closed again at once.
+    unsafe {
+        let rel = pg_sys::relation_open(relid, pg_sys::NoLock as pg_sys::LOCKMODE);
+        let plain = direct::needs_only_rows(rel, &COLUMNS, &[CHECK]);
+        pg_sys::relation_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
+        plain
+    }
+}
+
+#[cfg(any(test, feature = "pg_test"))]
+#[pg_schema]
+mod tests {
+    use super::super::store::Count;
+    use crate::testing::*;
+    use pgrx::prelude::*;
+
+    /// `n` new counts of inbox `inbox`, ids `prefix0000`…, sorted; the i-th counted i + 1 times, lapsing in an hour.
+    fn counts(inbox: &str, prefix: &str, n: usize) -> Vec<(String, Count)> {
+        // SAFETY: reads the clock.
+        let now = unsafe { pg_sys::GetCurrentTimestamp() };
+        let hour = 3_600_000_000;
+        (0..n)
+            .map(|i| {
+                let id = format!("{prefix}{i:04}");
+                let count = Count {
+                    ns: 0,
+                    id,
+                    count: i as u32 + 1,
+                    first: now - 1,
+                    last: now,
+                    expires: now + hour,
+                    stored: false,
+                };
+                (inbox.to_owned(), count)
+            })
+            .collect()
+    }
+
+    #[pg_test]
+    fn durable_new_counts_go_into_the_table_its_indexes_and_the_filter() {
+        // The table loaded into the filter (empty of these ids), so that it answers for it.
+        run("SELECT dedup.bloom_rebuild()");
+        assert!(super::certainly_none("dn", "c0007"), "the filter answers for the table, and lacks the id");
+        let rows = counts("dn", "c", 20);
+        assert!(super::insert_new(&rows));
+        assert_eq!(count("dedup.attempt_counts WHERE inbox = 'dn'"), 20);
+        assert_eq!(
+            count(
+                "dedup.attempt_counts WHERE inbox = 'dn' AND id = 'c0007' AND attempts = 8 \
+                 AND first_attempt < last_attempt AND expires_at BETWEEN now() AND now() + interval '2 hours'"
+            ),
+            1,
+            "the row holds the count's values"
+        );
+        run("SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off");
+        assert_eq!(count("dedup.attempt_counts WHERE id = 'c0013' AND inbox = 'dn'"), 1, "the primary key has it");
+        assert_eq!(
+            count("dedup.attempt_counts WHERE inbox = 'dn' AND expires_at > now()"),
+            20,
+            "the (inbox, expires_at) index has them all"
+        );
+        assert!(rows.iter().all(|(inbox, c)| !super::certainly_none(inbox, &c.id)), "the filter has every key");
+        assert!(super::read("dn", "c0019", 0).is_some_and(|d| d.count == 20), "read through the primary key");
+    }
+
+    #[pg_test]
+    fn durable_a_new_count_whose_row_exists_raises_unique_violation() {
+        assert!(super::insert_new(&counts("dn_dup", "d", 3)));
+        let (code, message) = crate::xact::subtransaction(|| super::insert_new(&counts("dn_dup", "d", 5)))
+            .map(|_| panic!("a second row of the same id and inbox went in"))
+            .unwrap_or_else(|e| {
+                let report = crate::xact::report_of(&e);
+                (report.sql_error_code(), report.message().to_owned())
+            });
+        assert_eq!(code, PgSqlErrorCode::ERRCODE_UNIQUE_VIOLATION, "{message}");
+        assert_eq!(count("dedup.attempt_counts WHERE inbox = 'dn_dup'"), 3, "nothing of the failed insert stays");
+    }
+
+    #[pg_test]
+    fn durable_a_table_an_owner_changed_is_written_with_sql() {
+        let untouched = |change: &str, undo: &str| {
+            run(change);
+            assert!(!super::insert_new(&counts("dn_changed", "e", 4)), "{change}: written behind the executor's back");
+            assert_eq!(count("dedup.attempt_counts WHERE inbox = 'dn_changed'"), 0, "{change}");
+            run(undo);
+        };
+        assert!(super::insert_new(&counts("dn_plain", "e", 1)), "the table as made is written directly");
+        run("CREATE TABLE audit (id text); CREATE FUNCTION audit() RETURNS trigger LANGUAGE plpgsql AS \
+             $$BEGIN INSERT INTO audit VALUES (NEW.id); RETURN NEW; END$$");
+        untouched(
+            "CREATE TRIGGER audit AFTER INSERT ON dedup.attempt_counts FOR EACH ROW EXECUTE FUNCTION audit()",
+            "DROP TRIGGER audit ON dedup.attempt_counts",
+        );
+        untouched(
+            "ALTER TABLE dedup.attempt_counts ADD CONSTRAINT short CHECK (length(id) < 30)",
+            "ALTER TABLE dedup.attempt_counts DROP CONSTRAINT short",
+        );
+        untouched(
+            "ALTER TABLE dedup.attempt_counts ENABLE ROW LEVEL SECURITY",
+            "ALTER TABLE dedup.attempt_counts DISABLE ROW LEVEL SECURITY",
+        );
+        untouched(
+            "ALTER TABLE dedup.attempt_counts ADD COLUMN note text DEFAULT 'x'",
+            "ALTER TABLE dedup.attempt_counts DROP COLUMN note",
+        );
+        // The dropped column stays in the row type: not the table as made either.
+        untouched("SELECT 1", "SELECT 1");
+    }
 }

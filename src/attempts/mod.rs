@@ -375,12 +375,17 @@ fn write_changed(store: &store::Store) -> (Vec<store::Count>, bool) {
         run(Stmt::Write, &write_args(chunk));
     }
     for chunk in rows[first_new..].chunks(WRITE_CHUNK) {
-        let args = write_args(chunk);
-        // Each insert is a subtransaction: past the backend's cache of their ids, the rest go the other way.
+        // Each insert is a subtransaction: past the backend's cache of their ids, the rest go the other way. Straight
+        // into the heap and indexes where the table allows it, with SQL otherwise.
         let inserted = xact::has_room()
-            && xact::undo_on(PgSqlErrorCode::ERRCODE_UNIQUE_VIOLATION, || run(Stmt::Insert, &args)).is_some();
+            && xact::undo_on(PgSqlErrorCode::ERRCODE_UNIQUE_VIOLATION, || {
+                if !durable::insert_new(chunk) {
+                    run(Stmt::Insert, &write_args(chunk));
+                }
+            })
+            .is_some();
         if !inserted {
-            run(Stmt::Write, &args);
+            run(Stmt::Write, &write_args(chunk));
         }
     }
     if !gone.is_empty() {

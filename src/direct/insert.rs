@@ -37,7 +37,7 @@ pub fn insert(inbox: &Inbox, ids: &[&str], row: &Row) -> usize {
         return 0;
     }
     let values = Values::of(row);
-    with_table(inbox, |table| {
+    let write = |table: &Handle| {
         if ids.len() >= MIN_IDS && xact::has_room() && insert_all(table, inbox.ns, ids, &values) {
             ids.len()
         } else {
@@ -52,7 +52,9 @@ pub fn insert(inbox: &Inbox, ids: &[&str], row: &Row) -> usize {
             }
             inserted
         }
-    })
+    };
+    // SAFETY: the inbox was opened (and locked) by this transaction.
+    unsafe { with_table(inbox.relid, write) }
 }
 
 /// Inserts all of `ids` (sorted, distinct, certainly new to the inbox as far as the caller knows; the table's shape
@@ -61,18 +63,41 @@ pub fn insert(inbox: &Inbox, ids: &[&str], row: &Row) -> usize {
 /// fails with it. For the flush of a batched attachment (`attach::batch`), whose rows are already in.
 pub fn insert_new(inbox: &Inbox, ids: &[&str], row: &Row) {
     let values = Values::of(row);
-    with_table(inbox, |table| {
-        // SAFETY: the table is open, with RowExclusiveLock, and (the caller vouches) its shape `plain`.
-        unsafe { write_rows(table, inbox.ns, ids, &values) };
-        ids.len()
-    });
+    // SAFETY: the inbox was opened (and locked) by this transaction, and (the caller vouches) its shape is `plain`.
+    unsafe {
+        with_table(inbox.relid, |table| {
+            write_ids(table, inbox.ns, ids, &values);
+            ids.len()
+        })
+    };
 }
 
-/// Runs `write` with the transaction's write handle on the inbox's table (`handle`) and makes the rows it wrote (it
+/// Inserts `n` rows into table `relid`, which is not an inbox's (`dedup.attempt_counts`), as `insert_new` does: one
+/// multi-insert, then each row's index entries, unique_violation for a key that exists. `fill(i, slot)` puts the
+/// i-th row into an empty slot of the table's row type, its values allocated in the current memory context.
+///
+/// # Safety
+/// This transaction must hold RowExclusiveLock on the table, and writing a row of it must need nothing but the row
+/// and its index entries (no trigger, rule, row security or constraint the rows could break: the caller vouches for
+/// the table and the rows), the filter's keys excepted, which the caller adds.
+pub unsafe fn insert_rows(relid: pg_sys::Oid, n: usize, fill: impl Fn(usize, *mut pg_sys::TupleTableSlot)) {
+    // SAFETY: the caller vouches for the table and its lock.
+    unsafe {
+        with_table(relid, |table| {
+            write_rows(table, n, fill);
+            n
+        })
+    };
+}
+
+/// Runs `write` with the transaction's write handle on table `relid` (`handle`) and makes the rows it wrote (it
 /// returns how many) visible to the rest of the transaction.
-fn with_table(inbox: &Inbox, write: impl FnOnce(&Handle) -> usize) -> usize {
-    // SAFETY: the inbox was opened (and locked) by this transaction; `write` returns a count.
-    let written = unsafe { handle::with(inbox.relid, write) };
+///
+/// # Safety
+/// This transaction must hold RowExclusiveLock on the table.
+unsafe fn with_table(relid: pg_sys::Oid, write: impl FnOnce(&Handle) -> usize) -> usize {
+    // SAFETY: the caller vouches for the lock; `write` returns a count.
+    let written = unsafe { handle::with(relid, write) };
     if written > 0 {
         // Later statements of this call (and of the transaction) must see the rows, as after any SQL insert.
         // SAFETY: no preconditions.
@@ -84,7 +109,7 @@ fn with_table(inbox: &Inbox, write: impl FnOnce(&Handle) -> usize) -> usize {
 /// All of `ids` in one multi-insert, or (when one of them has a row) none.
 fn insert_all(table: &Handle, ns: u64, ids: &[&str], values: &Values) -> bool {
     // SAFETY: `table` is the open, qualifying inbox table of `insert`.
-    xact::undo_on(PgSqlErrorCode::ERRCODE_UNIQUE_VIOLATION, || unsafe { write_rows(table, ns, ids, values) }).is_some()
+    xact::undo_on(PgSqlErrorCode::ERRCODE_UNIQUE_VIOLATION, || unsafe { write_ids(table, ns, ids, values) }).is_some()
 }
 
 /// Each of `ids` (sorted) on its own, by speculative insertion, up to the first that has a row: returns how many
@@ -134,19 +159,30 @@ unsafe fn insert_one(table: &Handle, ns: u64, id: &str, values: &Values) -> bool
     }
 }
 
-/// The filter bits, then one multi-insert into the heap, then each row's index entries (raising unique_violation
-/// for an id that exists).
+/// The rows of `ids`, then their filter bits (a unique violation undoes the rows, and then no bits are needed).
 ///
 /// # Safety
 /// As for `insert_each`.
-unsafe fn write_rows(table: &Handle, ns: u64, ids: &[&str], values: &Values) {
+unsafe fn write_ids(table: &Handle, ns: u64, ids: &[&str], values: &Values) {
+    // SAFETY: the caller vouches for the handle; each slot gets a row of the inbox row type.
+    unsafe { write_rows(table, ids.len(), |i, slot| store_row(slot, ids[i], values)) };
+    // What the filter trigger does for the executor: the bits, once the rows exist.
+    filter::add(ns, ids);
+}
+
+/// One multi-insert of `n` rows into the heap (`fill` puts the i-th into its slot), then each row's index entries
+/// (raising unique_violation for a key that exists).
+///
+/// # Safety
+/// `table` must be a handle in use on a table locked with RowExclusiveLock whose rows need nothing of the executor.
+unsafe fn write_rows(table: &Handle, n: usize, fill: impl Fn(usize, *mut pg_sys::TupleTableSlot)) {
     let Handle { rel, estate, result_rel, .. } = *table;
     // SAFETY: the caller vouches for the handle; the slots are made, filled and dropped here, in the handle's per-use
     // memory, and the table access method's multi_insert is called as COPY calls it.
     unsafe {
-        let slots = row_slots(rel, ids.len());
-        for (&slot, id) in slots.iter().zip(ids) {
-            store_row(slot, id, values);
+        let slots = row_slots(rel, n);
+        for (i, &slot) in slots.iter().enumerate() {
+            fill(i, slot);
         }
         let multi_insert = (*(*rel).rd_tableam).multi_insert.expect("every table access method can multi-insert");
         let cid = pg_sys::GetCurrentCommandId(true);
@@ -159,9 +195,6 @@ unsafe fn write_rows(table: &Handle, ns: u64, ids: &[&str], values: &Values) {
                 pg_sys::ExecDropSingleTupleTableSlot(slot);
             }
         });
-        // What the filter trigger does for the executor: the bits, once the rows exist (a unique violation above
-        // undoes the rows, and no bits are needed).
-        filter::add(ns, ids);
     }
 }
 

@@ -1,7 +1,8 @@
 //! Reading and writing inbox rows straight through the heap and indexes, without SQL and the executor, where a
 //! statement would spend most of its time on the statement itself (a plan started and ended, a snapshot, a
 //! RETURNING row) rather than on the row:
-//! - `insert`: ids the filter vouches for, into heap and indexes;
+//! - `insert`: ids the filter vouches for, into heap and indexes (and, for the worker, counts of delivery attempts
+//!   new to `dedup.attempt_counts`: `insert_rows`);
 //! - `delete`: expired rows, found through the `expires_at` btree, for the purge;
 //! - `lookup`: the row of one id, through the primary key, as a statement of this transaction would see it (or, for
 //!   the claim this transaction just wrote, where it was written);
@@ -9,7 +10,8 @@
 //!
 //! Only tables whose `Shape` is `plain` qualify: the inbox row type exactly, and nothing the executor would have to
 //! honour beyond the row itself (another trigger, a rule, row security, a CHECK constraint). Every other table is
-//! left to the SQL statements of `inbox::Stmt`, which obey the same rules.
+//! left to the SQL statements of `inbox::Stmt`, which obey the same rules. `dedup.attempt_counts` qualifies on the
+//! same terms (`attempts::durable`), its one CHECK constraint kept by the counts the worker writes.
 
 mod delete;
 mod handle;
@@ -18,7 +20,7 @@ mod lookup;
 mod update;
 
 pub use delete::delete_expired;
-pub use insert::{insert, insert_new};
+pub use insert::{insert, insert_new, insert_rows};
 pub use lookup::{find_each, find_one, own_row, readable, Found};
 pub use update::complete_own;
 
@@ -43,6 +45,48 @@ impl Row<'_> {
     }
 }
 
+/// Does writing a row of `rel` need nothing but the row and its index entries, so that a direct write (which adds
+/// the filter's keys itself) may skip the executor? An ordinary table, not a partition, whose columns are `columns`
+/// (name, type) exactly, none dropped; no CHECK constraint but those named in `checks` (which the writer's rows keep),
+/// no default or generated column; no rule, no row security; no trigger but the guarding filter trigger.
+///
+/// # Safety
+/// `rel` must be an open relation.
+pub unsafe fn needs_only_rows(
+    rel: pg_sys::Relation,
+    columns: &[(&str, pg_sys::Oid)],
+    checks: &[&std::ffi::CStr],
+) -> bool {
+    // SAFETY: the caller vouches for the relation; its pg_class row, tuple descriptor, constraints, rules and triggers
+    // are only read.
+    unsafe {
+        let form = &*(*rel).rd_rel;
+        let desc = pgrx::PgTupleDesc::from_pg_unchecked((*rel).rd_att);
+        let columns_as_made = desc.len() == columns.len()
+            && columns.iter().enumerate().all(|(i, (name, type_oid))| {
+                desc.get(i).is_some_and(|a| !a.attisdropped && a.atttypid == *type_oid && a.name() == *name)
+            });
+        let constr = (*(*rel).rd_att).constr;
+        let constraints_kept = constr.is_null() || {
+            // (`check` may be NULL when there are none.)
+            (0..(*constr).num_check as usize)
+                .all(|i| checks.contains(&std::ffi::CStr::from_ptr((*(*constr).check.add(i)).ccname)))
+                && (*constr).num_defval == 0
+                && !(*constr).has_generated_stored
+        };
+        let triggers = (*rel).trigdesc;
+        let only_ours =
+            triggers.is_null() || ((*triggers).numtriggers == 1 && crate::trigger::is_guarding(&*(*triggers).triggers));
+        columns_as_made
+            && constraints_kept
+            && only_ours
+            && form.relkind == pg_sys::RELKIND_RELATION as std::ffi::c_char
+            && !form.relispartition
+            && !form.relrowsecurity
+            && (*rel).rd_rules.is_null()
+    }
+}
+
 /// The values of a row but its id, as datums (the fingerprint's text is allocated in the current memory context).
 struct Values {
     datums: [pg_sys::Datum; 5],
@@ -63,14 +107,14 @@ impl Values {
 }
 
 /// `s` as a text datum, allocated in the current memory context.
-fn text(s: &str) -> pg_sys::Datum {
+pub fn text(s: &str) -> pg_sys::Datum {
     // SAFETY: copies the bytes into a new varlena.
     pg_sys::Datum::from(unsafe {
         pg_sys::cstring_to_text_with_len(s.as_ptr() as *const std::ffi::c_char, s.len() as i32)
     })
 }
 
-/// `n` empty slots for inbox rows. They share a private copy of the row type: the relation's own is
+/// `n` empty slots for rows of `rel` (an inbox's, or `dedup.attempt_counts`'s). They share a private copy of the row type: the relation's own is
 /// reference-counted, and a thousand slots pinning it through the resource owner cost more than the inserts.
 ///
 /// # Safety

@@ -20,7 +20,7 @@ use crate::errors::internal;
 use crate::filter::Trusted;
 use crate::plans::Plans;
 use crate::shmem;
-use crate::trigger::{self, State};
+use crate::trigger::State;
 use pgrx::prelude::*;
 use pgrx::spi::{OwnedPreparedStatement, SpiClient, SpiTupleTable};
 use std::cell::OnceCell;
@@ -117,30 +117,15 @@ impl Shape {
         // SAFETY: the caller vouches for the relation; its pg_class row, tuple descriptor, constraints, rules and triggers
         // are only read.
         unsafe {
-            let form = &*(*rel).rd_rel;
             let desc = pgrx::PgTupleDesc::from_pg_unchecked((*rel).rd_att);
-            let column_is = |i: usize, name: &str, type_oid: pg_sys::Oid| {
-                desc.get(i).is_some_and(|a| !a.attisdropped && a.atttypid == type_oid && a.name() == name)
-            };
-            let constr = (*(*rel).rd_att).constr;
-            let triggers = (*rel).trigdesc;
-            let only_ours =
-                triggers.is_null() || ((*triggers).numtriggers == 1 && trigger::is_guarding(&*(*triggers).triggers));
             let distributed = crate::citus::distributed((*rel).rd_id);
+            // Of the inbox row type (a typed table), with no CHECK constraint at all.
             let plain = !distributed
-                && form.relkind == pg_sys::RELKIND_RELATION as std::ffi::c_char
-                && form.reloftype != pg_sys::InvalidOid
-                && !form.relispartition
-                && !form.relrowsecurity
-                && desc.len() == COLUMNS.len()
-                && COLUMNS.iter().enumerate().all(|(i, (name, type_oid))| column_is(i, name, *type_oid))
-                // No CHECK constraints, defaults or generated columns (none can be added to a typed table's own
-                // columns but CHECK; the rest is belt and braces).
-                && (constr.is_null()
-                    || ((*constr).num_check == 0 && (*constr).num_defval == 0 && !(*constr).has_generated_stored))
-                && (*rel).rd_rules.is_null()
-                && only_ours;
-            let claim_columns = (0..desc.len()).any(|i| column_is(i, "completed", pg_sys::BOOLOID));
+                && (*(*rel).rd_rel).reloftype != pg_sys::InvalidOid
+                && crate::direct::needs_only_rows(rel, &COLUMNS, &[]);
+            let claim_columns = (0..desc.len()).any(|i| {
+                desc.get(i).is_some_and(|a| !a.attisdropped && a.atttypid == pg_sys::BOOLOID && a.name() == "completed")
+            });
             Shape {
                 trigger: State::of(rel),
                 plain,
