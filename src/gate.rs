@@ -52,11 +52,11 @@ fn degraded() -> Option<(String, String)> {
             "Add pg_dedup to shared_preload_libraries and restart the server to enable them.".into(),
         ));
     }
-    let database = crate::catalog::current_database();
-    let mut listed = guc::worker_databases();
-    if listed.contains(&database) {
+    if guc::serves_this_database() {
         return None;
     }
+    let database = crate::catalog::current_database();
+    let mut listed = guc::worker_databases();
     let setting = listed.join(", ");
     listed.push(database.clone());
     Some((

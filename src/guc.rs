@@ -185,6 +185,36 @@ pub fn worker_databases() -> Vec<String> {
     list.split(',').map(|s| s.trim().to_owned()).filter(|s| !s.is_empty() && seen.insert(s.clone())).collect()
 }
 
+/// Is the database this backend is connected to named in `dedup.database`, so that a worker looks after it? Asked by
+/// every `attempt()`: the answer is kept while the setting reads the same (a backend's database never changes), and
+/// then costs a comparison of the setting's text, where working it out again costs a catalog lookup of the
+/// database's name and a parse of the list.
+pub fn serves_this_database() -> bool {
+    thread_local! {
+        /// The setting's text when last asked, and the answer then.
+        static AS_OF: std::cell::RefCell<Option<(CString, bool)>> = const { std::cell::RefCell::new(None) };
+    }
+    // SAFETY: the setting's current value, a NUL-terminated string PostgreSQL owns (or NULL), read before anything
+    // could change it.
+    let current = unsafe {
+        let raw = *DATABASE.as_ptr();
+        if raw.is_null() {
+            c""
+        } else {
+            CStr::from_ptr(raw)
+        }
+    };
+    AS_OF.with_borrow_mut(|as_of| match as_of {
+        Some((text, served)) if text.as_c_str() == current => *served,
+        _ => {
+            let text = current.to_owned();
+            let served = worker_databases().contains(&crate::catalog::current_database());
+            *as_of = Some((text, served));
+            served
+        }
+    })
+}
+
 /// Claims the `dedup.` prefix (preloaded servers, once every setting is defined), so a misspelt one (`dedup.purge_intervall`) is
 /// reported instead of silently becoming a placeholder that nothing reads: an ERROR for `SET` from PostgreSQL 15 on
 /// (`MarkGUCPrefixReserved`), and on 13 and 14 a WARNING for those already set when the library loads (from
@@ -271,6 +301,33 @@ mod tests {
             ]
         );
         assert_eq!(super::worker_databases(), ["no_worker_here"], "as lib.rs's pg_test configuration sets it");
+    }
+
+    #[pg_test]
+    fn guc_whether_a_worker_serves_this_database_follows_the_setting() {
+        // What a reload of the configuration files does to the setting, in this backend only.
+        let reload = |value: &str| {
+            let value = std::ffi::CString::new(value).unwrap();
+            // SAFETY: sets a SIGHUP setting as the configuration files would; NUL-terminated strings.
+            unsafe {
+                pg_sys::SetConfigOption(
+                    c"dedup.database".as_ptr(),
+                    value.as_ptr(),
+                    pg_sys::GucContext::PGC_SIGHUP,
+                    pg_sys::GucSource::PGC_S_FILE,
+                )
+            };
+        };
+        assert!(!super::serves_this_database(), "lib.rs's pg_test configuration names another database");
+        let database = crate::catalog::current_database();
+        reload(&format!("other, {database}"));
+        assert!(super::serves_this_database(), "the answer follows the setting at once");
+        reload("other");
+        assert!(!super::serves_this_database());
+        reload(&format!(" {database} "));
+        assert!(super::serves_this_database());
+        reload("no_worker_here");
+        assert!(!super::serves_this_database());
     }
 
     #[pg_test]

@@ -120,9 +120,9 @@ fn store() -> &'static Store {
              shared_preload_libraries and restart the server.",
         )
     };
-    let database = catalog::current_database();
-    let listed = guc::worker_databases();
-    if !listed.contains(&database) {
+    if !guc::serves_this_database() {
+        let database = catalog::current_database();
+        let listed = guc::worker_databases();
         raise(
             PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
             format!("attempt() needs the pg_dedup worker of database \"{database}\" to make its counts durable"),
