@@ -209,7 +209,8 @@ pub fn repair(table: &str, key: Key, state: State) -> bool {
 
 /// Row trigger on every inbox table (AFTER INSERT OR UPDATE OF id, ENABLE ALWAYS) and on `dedup.attempt_counts`
 /// (OF inbox, id, with the argument `'inbox_and_id'`): puts the new row's key into the filter once the row is
-/// written, whoever writes it (mark(), the worker, INSERT, COPY, a restore, logical replication).
+/// written, whoever writes it through the executor (INSERT, COPY, a restore, logical replication, the SQL roads of
+/// mark() and of the worker). The direct writes (`direct`), which bypass it, add the keys themselves.
 #[pg_trigger]
 fn inbox_filter_trigger<'a>(
     trigger: &'a pgrx::PgTrigger<'a>,

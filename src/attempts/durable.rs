@@ -140,7 +140,8 @@ pub fn insert_new(rows: &[(String, Count)]) -> bool {
     // SAFETY: locks the table by oid as an INSERT would (held until the transaction ends), which takes in the
     // invalidations that arrived meanwhile, before its shape is read.
     unsafe { pg_sys::LockRelationOid(relid, pg_sys::RowExclusiveLock as pg_sys::LOCKMODE) };
-    if !plain(relid) {
+    // Dropped (with the extension, maybe made again) while the lock was waited for: SQL finds what there is now.
+    if catalog::attempt_counts() != relid || !plain(relid) {
         return false;
     }
     // SAFETY: locked above; `plain` says the rows need nothing but themselves, their index entries and their filter
@@ -157,12 +158,7 @@ pub fn insert_new(rows: &[(String, Count)]) -> bool {
                 pg_sys::Datum::from(count.last),
                 pg_sys::Datum::from(count.expires),
             ];
-            pg_sys::ExecClearTuple(slot);
-            for (column, value) in values.into_iter().enumerate() {
-                *(*slot).tts_values.add(column) = value;
-                *(*slot).tts_isnull.add(column) = false;
-            }
-            pg_sys::ExecStoreVirtualTuple(slot);
+            direct::store_values(slot, values.into_iter().map(|v| (v, false)));
         })
     };
     let keys: Vec<_> = rows.iter().map(|(inbox, c)| filter::attempt_key(inbox.as_bytes(), c.id.as_bytes())).collect();
@@ -180,20 +176,48 @@ const COLUMNS: [(&str, pg_sys::Oid); 6] = [
     ("expires_at", pg_sys::TIMESTAMPTZOID),
 ];
 
-/// The name of its one CHECK constraint (`attempts > 0`).
-const CHECK: &std::ffi::CStr = c"attempt_counts_attempts_check";
-
 /// Does a row of table `relid` (`table()`, locked) need nothing but its values, index entries and filter keys, so
 /// that the worker may write it without the executor? While the table is as the extension made it
-/// (`direct::needs_only_rows`, its one CHECK constraint kept by every count written): anything an owner added since
-/// sends the rows through SQL.
+/// (`direct::needs_only_rows`, its one CHECK constraint kept by every count written) and not distributed by Citus:
+/// anything an owner changed since sends the rows through SQL.
 fn plain(relid: pg_sys::Oid) -> bool {
     // SAFETY: the table is locked by the caller; opened only to be read, and closed again at once.
     unsafe {
         let rel = pg_sys::relation_open(relid, pg_sys::NoLock as pg_sys::LOCKMODE);
-        let plain = direct::needs_only_rows(rel, &COLUMNS, &[CHECK]);
+        let plain = direct::needs_only_rows(rel, &COLUMNS, |c| is_ours(c));
         pg_sys::relation_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
-        plain
+        plain && !crate::citus::distributed(relid)
+    }
+}
+
+/// Is `check` the table's CHECK constraint as the extension made it, `attempt_counts_attempts_check`, and still
+/// `attempts > 0` (so every count the worker writes keeps it)?
+///
+/// # Safety
+/// `check` must be a constraint of an open relation's tuple descriptor.
+unsafe fn is_ours(check: &pg_sys::ConstrCheck) -> bool {
+    use pg_sys::NodeTag::{T_Const, T_OpExpr, T_Var};
+    // SAFETY: the caller vouches for the constraint; its stored expression is read into nodes of the current memory
+    // context, and each node's type is checked before it is read as that type.
+    unsafe {
+        if std::ffi::CStr::from_ptr(check.ccname) != c"attempt_counts_attempts_check" {
+            return false;
+        }
+        let expr = pg_sys::stringToNode(check.ccbin) as *mut pg_sys::Node;
+        if (*expr).type_ != T_OpExpr {
+            return false;
+        }
+        let op = &*(expr as *mut pg_sys::OpExpr);
+        if pg_sys::get_opcode(op.opno) != pg_sys::Oid::from(pg_sys::F_INT4GT) || pg_sys::list_length(op.args) != 2 {
+            return false;
+        }
+        let (left, right) =
+            (pg_sys::list_nth(op.args, 0) as *mut pg_sys::Node, pg_sys::list_nth(op.args, 1) as *mut pg_sys::Node);
+        (*left).type_ == T_Var
+            && (*(left as *mut pg_sys::Var)).varattno == 3
+            && (*right).type_ == T_Const
+            && !(*(right as *mut pg_sys::Const)).constisnull
+            && (*(right as *mut pg_sys::Const)).constvalue.value() as i32 == 0
     }
 }
 
@@ -244,11 +268,10 @@ mod tests {
         );
         run("SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off");
         assert_eq!(count("dedup.attempt_counts WHERE id = 'c0013' AND inbox = 'dn'"), 1, "the primary key has it");
-        assert_eq!(
-            count("dedup.attempt_counts WHERE inbox = 'dn' AND expires_at > now()"),
-            20,
-            "the (inbox, expires_at) index has them all"
-        );
+        let by_expiry = "dedup.attempt_counts WHERE inbox = 'dn' AND expires_at > now()";
+        let plan = column(&format!("EXPLAIN (COSTS OFF) SELECT count(*) FROM {by_expiry}")).join("\n");
+        assert!(plan.contains("attempt_counts_inbox_expires_at_idx"), "{plan}");
+        assert_eq!(count(by_expiry), 20, "the (inbox, expires_at) index has them all");
         assert!(rows.iter().all(|(inbox, c)| !super::certainly_none(inbox, &c.id)), "the filter has every key");
         assert!(super::read("dn", "c0019", 0).is_some_and(|d| d.count == 20), "read through the primary key");
     }
@@ -285,6 +308,13 @@ mod tests {
             "ALTER TABLE dedup.attempt_counts ADD CONSTRAINT short CHECK (length(id) < 30)",
             "ALTER TABLE dedup.attempt_counts DROP CONSTRAINT short",
         );
+        untouched(
+            "ALTER TABLE dedup.attempt_counts DROP CONSTRAINT attempt_counts_attempts_check, \
+             ADD CONSTRAINT attempt_counts_attempts_check CHECK (attempts < 1000)",
+            "ALTER TABLE dedup.attempt_counts DROP CONSTRAINT attempt_counts_attempts_check, \
+             ADD CONSTRAINT attempt_counts_attempts_check CHECK (attempts > 0)",
+        );
+        assert!(super::insert_new(&counts("dn_plain_again", "e", 1)), "the CHECK made again as it was is ours");
         untouched(
             "ALTER TABLE dedup.attempt_counts ENABLE ROW LEVEL SECURITY",
             "ALTER TABLE dedup.attempt_counts DISABLE ROW LEVEL SECURITY",

@@ -1,6 +1,6 @@
-//! Write handles on inbox tables, one per table, kept for the life of the backend: the table, its indexes open for
-//! insertion, an executor state and a slot, set up at the first direct write and reused by every later one, in
-//! this transaction and the next ones.
+//! Write handles on inbox tables (and on `dedup.attempt_counts`, for the worker), one per table, kept for the life of
+//! the backend: the table, its indexes open for insertion, an executor state and a slot, set up at the first direct
+//! write and reused by every later one, in this transaction and the next ones.
 //!
 //! Why: setting them up is most of a single row's work outside the heap and the btree. An attached table's row
 //! trigger wrote each row of a COPY through a fresh executor state, ResultRelInfo and index opens (ExecOpenIndices
@@ -93,7 +93,7 @@ thread_local! {
 }
 
 impl Held {
-    /// Sets up a handle on inbox table `relid`, locked in this transaction.
+    /// Sets up a handle on table `relid` (an inbox's, or `dedup.attempt_counts`), locked in this transaction.
     ///
     /// # Safety
     /// `relid` must be a table this transaction may insert into.
@@ -308,12 +308,12 @@ fn find(relid: pg_sys::Oid) -> Option<Rc<Held>> {
     })
 }
 
-/// Runs `write` with the backend's handle on inbox table `relid`, set up if it has none yet (or its handle went
-/// stale). What `write` allocates in the current memory context goes when it returns.
+/// Runs `write` with the backend's handle on table `relid` (an inbox's, or `dedup.attempt_counts`), set up if it has
+/// none yet (or its handle went stale). What `write` allocates in the current memory context goes when it returns.
 ///
 /// # Safety
-/// `relid` must be an inbox table this transaction opened and locked (RowExclusiveLock); `write` must not keep the
-/// handle's pointers, nor return anything allocated in the current memory context.
+/// `relid` must be an inbox table or `dedup.attempt_counts`, locked by this transaction (RowExclusiveLock); `write`
+/// must not keep the handle's pointers, nor return anything allocated in the current memory context.
 pub unsafe fn with<R>(relid: pg_sys::Oid, write: impl FnOnce(&Handle) -> R) -> R {
     register_callbacks();
     // Locked again first: that may find it stale, and then it goes below with the others.

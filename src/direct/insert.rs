@@ -1,5 +1,6 @@
 //! Writing ids the filter vouches for straight into an inbox table's heap and indexes, instead of through
-//! `INSERT ... ON CONFLICT` and the executor.
+//! `INSERT ... ON CONFLICT` and the executor (and, the same way, the worker's rows of counts new to
+//! `dedup.attempt_counts`: `insert_rows`).
 //!
 //! Why it pays: for an id the filter calls "certainly new" (or a suspect the lookup just failed to find), ON
 //! CONFLICT's pre-check — a descent of the primary key in search of the id — finds nothing, and the executor

@@ -8,10 +8,10 @@
 //!   the claim this transaction just wrote, where it was written);
 //! - `update`: a claim this transaction wrote, completed in place.
 //!
-//! Only tables whose `Shape` is `plain` qualify: the inbox row type exactly, and nothing the executor would have to
-//! honour beyond the row itself (another trigger, a rule, row security, a CHECK constraint). Every other table is
-//! left to the SQL statements of `inbox::Stmt`, which obey the same rules. `dedup.attempt_counts` qualifies on the
-//! same terms (`attempts::durable`), its one CHECK constraint kept by the counts the worker writes.
+//! Only inbox tables whose `Shape` is `plain` qualify: the inbox row type exactly, and nothing the executor would have
+//! to honour beyond the row itself (another trigger, a rule, row security, a CHECK constraint). Every other table is
+//! left to the SQL statements of `inbox::Stmt`, which obey the same rules. `dedup.attempt_counts` qualifies on the same
+//! terms (`needs_only_rows`, from `attempts::durable`), its one CHECK constraint kept by the counts the worker writes.
 
 mod delete;
 mod handle;
@@ -47,15 +47,15 @@ impl Row<'_> {
 
 /// Does writing a row of `rel` need nothing but the row and its index entries, so that a direct write (which adds
 /// the filter's keys itself) may skip the executor? An ordinary table, not a partition, whose columns are `columns`
-/// (name, type) exactly, none dropped; no CHECK constraint but those named in `checks` (which the writer's rows keep),
-/// no default or generated column; no rule, no row security; no trigger but the guarding filter trigger.
+/// (name, type) exactly, none dropped; no CHECK constraint but those `kept` accepts (which the writer's rows keep), no
+/// default or generated column; no rule, no row security; no trigger but the guarding filter trigger.
 ///
 /// # Safety
 /// `rel` must be an open relation.
 pub unsafe fn needs_only_rows(
     rel: pg_sys::Relation,
     columns: &[(&str, pg_sys::Oid)],
-    checks: &[&std::ffi::CStr],
+    kept: impl Fn(&pg_sys::ConstrCheck) -> bool,
 ) -> bool {
     // SAFETY: the caller vouches for the relation; its pg_class row, tuple descriptor, constraints, rules and triggers
     // are only read.
@@ -69,8 +69,7 @@ pub unsafe fn needs_only_rows(
         let constr = (*(*rel).rd_att).constr;
         let constraints_kept = constr.is_null() || {
             // (`check` may be NULL when there are none.)
-            (0..(*constr).num_check as usize)
-                .all(|i| checks.contains(&std::ffi::CStr::from_ptr((*(*constr).check.add(i)).ccname)))
+            (0..(*constr).num_check as usize).all(|i| kept(&*(*constr).check.add(i)))
                 && (*constr).num_defval == 0
                 && !(*constr).has_generated_stored
         };
@@ -114,8 +113,9 @@ pub fn text(s: &str) -> pg_sys::Datum {
     })
 }
 
-/// `n` empty slots for rows of `rel` (an inbox's, or `dedup.attempt_counts`'s). They share a private copy of the row type: the relation's own is
-/// reference-counted, and a thousand slots pinning it through the resource owner cost more than the inserts.
+/// `n` empty slots for rows of `rel` (an inbox's, or `dedup.attempt_counts`'s). They share a private copy of the row
+/// type: the relation's own is reference-counted, and a thousand slots pinning it through the resource owner cost
+/// more than the inserts.
 ///
 /// # Safety
 /// `rel` must be open; the slots live in the current memory context and must be dropped before it goes.
@@ -132,14 +132,22 @@ unsafe fn row_slots(rel: pg_sys::Relation, n: usize) -> Vec<*mut pg_sys::TupleTa
 /// # Safety
 /// `slot` must be a slot of the inbox row type (from `row_slots`).
 unsafe fn store_row(slot: *mut pg_sys::TupleTableSlot, id: &str, values: &Values) {
-    // SAFETY: the slot has the row type's six columns, so its value and null arrays have six entries.
+    let columns = std::iter::once((text(id), false)).chain(values.datums.into_iter().zip(values.nulls));
+    // SAFETY: the caller vouches for the slot; the inbox row type has six columns.
+    unsafe { store_values(slot, columns) };
+}
+
+/// Makes `slot` hold a row of the column values `columns` (datum, is it NULL), in order.
+///
+/// # Safety
+/// `slot` must be a slot made by `row_slots`, of a row type with as many columns as `columns` yields.
+pub unsafe fn store_values(slot: *mut pg_sys::TupleTableSlot, columns: impl Iterator<Item = (pg_sys::Datum, bool)>) {
+    // SAFETY: the caller vouches that the slot's value and null arrays have an entry for each column.
     unsafe {
         pg_sys::ExecClearTuple(slot);
-        *(*slot).tts_values.add(0) = text(id);
-        *(*slot).tts_isnull.add(0) = false;
-        for (i, (datum, null)) in values.datums.iter().zip(values.nulls).enumerate() {
-            *(*slot).tts_values.add(i + 1) = *datum;
-            *(*slot).tts_isnull.add(i + 1) = null;
+        for (i, (datum, null)) in columns.enumerate() {
+            *(*slot).tts_values.add(i) = datum;
+            *(*slot).tts_isnull.add(i) = null;
         }
         pg_sys::ExecStoreVirtualTuple(slot);
     }

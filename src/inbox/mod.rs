@@ -122,7 +122,7 @@ impl Shape {
             // Of the inbox row type (a typed table), with no CHECK constraint at all.
             let plain = !distributed
                 && (*(*rel).rd_rel).reloftype != pg_sys::InvalidOid
-                && crate::direct::needs_only_rows(rel, &COLUMNS, &[]);
+                && crate::direct::needs_only_rows(rel, &COLUMNS, |_| false);
             let claim_columns = (0..desc.len()).any(|i| {
                 desc.get(i).is_some_and(|a| !a.attisdropped && a.atttypid == pg_sys::BOOLOID && a.name() == "completed")
             });
