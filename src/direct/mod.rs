@@ -63,9 +63,7 @@ pub unsafe fn needs_only_rows(
         let form = &*(*rel).rd_rel;
         let desc = pgrx::PgTupleDesc::from_pg_unchecked((*rel).rd_att);
         let columns_as_made = desc.len() == columns.len()
-            && columns.iter().enumerate().all(|(i, (name, type_oid))| {
-                desc.get(i).is_some_and(|a| !a.attisdropped && a.atttypid == *type_oid && a.name() == *name)
-            });
+            && columns.iter().enumerate().all(|(i, (name, type_oid))| column_is(&desc, i, name, *type_oid));
         let constr = (*(*rel).rd_att).constr;
         let constraints_kept = constr.is_null() || {
             // (`check` may be NULL when there are none.)
@@ -84,6 +82,11 @@ pub unsafe fn needs_only_rows(
             && !form.relrowsecurity
             && (*rel).rd_rules.is_null()
     }
+}
+
+/// Is column `i` (from 0) of `desc` one of type `type_oid` named `name`, not dropped?
+pub fn column_is(desc: &pgrx::PgTupleDesc, i: usize, name: &str, type_oid: pg_sys::Oid) -> bool {
+    desc.get(i).is_some_and(|a| !a.attisdropped && a.atttypid == type_oid && a.name() == name)
 }
 
 /// The values of a row but its id, as datums (the fingerprint's text is allocated in the current memory context).

@@ -123,9 +123,8 @@ impl Shape {
             let plain = !distributed
                 && (*(*rel).rd_rel).reloftype != pg_sys::InvalidOid
                 && crate::direct::needs_only_rows(rel, &COLUMNS, |_| false);
-            let claim_columns = (0..desc.len()).any(|i| {
-                desc.get(i).is_some_and(|a| !a.attisdropped && a.atttypid == pg_sys::BOOLOID && a.name() == "completed")
-            });
+            let claim_columns =
+                (0..desc.len()).any(|i| crate::direct::column_is(&desc, i, "completed", pg_sys::BOOLOID));
             Shape {
                 trigger: State::of(rel),
                 plain,
