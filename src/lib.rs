@@ -42,6 +42,7 @@
 //! - `errors`  — `dedup:` errors with SQLSTATE and hint
 //! - `jsonb`   — a jsonb value passed through without parsing (stored results)
 //! - `ports`   — PostgreSQL C macros and version differences, ported once
+//! - `unguarded` — calls into PostgreSQL under one guard per sequence, on the hottest paths
 //! - `sql/`    — the hand-written SQL objects (row type, registry, default inbox, views, privileges)
 
 mod attach;
@@ -72,6 +73,7 @@ mod rows;
 mod shmem;
 mod stats;
 mod trigger;
+mod unguarded;
 mod worker;
 mod xact;
 

@@ -29,6 +29,7 @@
 //! inbox) gets a handle of its own, set up and dropped around it.
 
 use crate::relcache::Stale;
+use crate::unguarded;
 use pgrx::prelude::*;
 use rustc_hash::{FxBuildHasher, FxHashMap};
 use std::cell::{Cell, RefCell};
@@ -160,10 +161,16 @@ impl Held {
     fn relocked(&self) -> bool {
         let generation = LOCKS.get();
         if self.locked.replace(generation) != generation && self.sound() {
-            for (relid, _) in &self.relations {
-                // SAFETY: locks a relation by oid, as the executor's opens do (held until the transaction ends).
-                unsafe { pg_sys::LockRelationOid(*relid, pg_sys::RowExclusiveLock as pg_sys::LOCKMODE) };
-            }
+            let relations = &self.relations;
+            // SAFETY: locks relations by oid, as the executor's opens do (held until the transaction ends); the loop
+            // holds a borrowed slice and oids.
+            unsafe {
+                unguarded::guarded(|| {
+                    for (relid, _) in relations {
+                        unguarded::LockRelationOid(*relid, pg_sys::RowExclusiveLock as pg_sys::LOCKMODE);
+                    }
+                })
+            };
         }
         self.sound()
     }
@@ -179,24 +186,29 @@ impl Held {
             fn drop(&mut self) {
                 let InUse(held, caller) = self;
                 // SAFETY: gives back what `run` took, in the same resource owner (an ERROR unwinds through here
-                // before its transaction aborts); the slot and the per-use memory hold only this use's values.
+                // before its transaction aborts); the slot and the per-use memory hold only this use's values. One
+                // guard for the lot: the closure holds pointers only.
                 unsafe {
-                    pg_sys::ExecClearTuple(held.handle.slot);
-                    let per_tuple = (*held.handle.estate).es_per_tuple_exprcontext;
-                    if !per_tuple.is_null() {
-                        pg_sys::MemoryContextReset((*per_tuple).ecxt_per_tuple_memory);
-                    }
-                    pg_sys::MemoryContextSwitchTo(*caller);
-                    // What the index access methods cached is in the per-use memory (ii_Context): forgotten with
-                    // it (`inserting` let BRIN's buffers go already).
-                    let r = &*held.handle.result_rel;
-                    for i in 0..r.ri_NumIndices.max(0) as usize {
-                        (**r.ri_IndexRelationInfo.add(i)).ii_AmCache = std::ptr::null_mut();
-                    }
-                    pg_sys::MemoryContextReset(held.per_use);
-                    for r in held.handle.relations() {
-                        pg_sys::RelationDecrementReferenceCount(r);
-                    }
+                    let handle = &held.handle;
+                    let (per_use, caller) = (held.per_use, *caller);
+                    unguarded::guarded(|| {
+                        unguarded::ExecClearTuple(handle.slot);
+                        let per_tuple = (*handle.estate).es_per_tuple_exprcontext;
+                        if !per_tuple.is_null() {
+                            unguarded::MemoryContextReset((*per_tuple).ecxt_per_tuple_memory);
+                        }
+                        pg_sys::MemoryContextSwitchTo(caller);
+                        // What the index access methods cached is in the per-use memory (ii_Context): forgotten
+                        // with it (`inserting` let BRIN's buffers go already).
+                        let r = &*handle.result_rel;
+                        for i in 0..r.ri_NumIndices.max(0) as usize {
+                            (**r.ri_IndexRelationInfo.add(i)).ii_AmCache = std::ptr::null_mut();
+                        }
+                        unguarded::MemoryContextReset(per_use);
+                        for r in handle.relations() {
+                            unguarded::RelationDecrementReferenceCount(r);
+                        }
+                    })
                 }
                 held.busy.set(false);
             }
@@ -204,9 +216,11 @@ impl Held {
         // SAFETY: the handle is sound (the relcache entries are those it was set up with), so its pointers are
         // valid; a reference to each is taken, as an open would.
         let caller = unsafe {
-            for r in self.handle.relations() {
-                pg_sys::RelationIncrementReferenceCount(r);
-            }
+            unguarded::guarded(|| {
+                for r in self.handle.relations() {
+                    unguarded::RelationIncrementReferenceCount(r);
+                }
+            });
             pg_sys::MemoryContextSwitchTo(self.per_use)
         };
         self.busy.set(true);

@@ -22,7 +22,7 @@
 use super::handle::{self, Handle};
 use super::{row_slots, store_row, Row, Values};
 use crate::inbox::Inbox;
-use crate::{filter, ports, xact};
+use crate::{filter, ports, unguarded, xact};
 use pgrx::prelude::*;
 
 /// Batches of this many ids or more try the multi-insert: its subtransaction costs a second transaction id,
@@ -138,20 +138,20 @@ unsafe fn insert_one(table: &Handle, ns: u64, id: &str, values: &Values) -> bool
     // entries, as ExecInsert does.
     unsafe {
         store_row(slot, id, values);
-        let xid = pg_sys::GetCurrentTransactionId();
-        let token = pg_sys::SpeculativeInsertionLockAcquire(xid);
-        pg_sys::table_tuple_insert_speculative(
-            rel,
-            slot,
-            pg_sys::GetCurrentCommandId(true),
-            0,
-            std::ptr::null_mut(),
-            token,
-        );
+        // Each run of calls under one guard (`unguarded`): they hold pointers and numbers only.
+        let (xid, token) = unguarded::guarded(|| {
+            let xid = unguarded::GetCurrentTransactionId();
+            let token = unguarded::SpeculativeInsertionLockAcquire(xid);
+            let cid = unguarded::GetCurrentCommandId(true);
+            unguarded::table_tuple_insert_speculative(rel, slot, cid, 0, std::ptr::null_mut(), token);
+            (xid, token)
+        });
         let mut conflict = false;
         ports::ExecInsertIndexTuples(result_rel, slot, estate, Some(&mut conflict), ports::Entries::Inserted);
-        pg_sys::table_tuple_complete_speculative(rel, slot, token, !conflict);
-        pg_sys::SpeculativeInsertionLockRelease(xid);
+        unguarded::guarded(|| {
+            unguarded::table_tuple_complete_speculative(rel, slot, token, !conflict);
+            unguarded::SpeculativeInsertionLockRelease(xid);
+        });
         if !conflict {
             // What the filter trigger does for the executor: the bits, once the row exists (a killed row needs none).
             filter::add(ns, &[id]);

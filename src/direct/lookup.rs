@@ -8,7 +8,7 @@
 
 use crate::inbox::Inbox;
 use crate::jsonb::Jsonb;
-use crate::ports;
+use crate::{ports, unguarded};
 use pgrx::prelude::*;
 use pgrx::PgMemoryContexts;
 
@@ -66,9 +66,14 @@ pub fn own_row(inbox: &Inbox, id: &str) -> Option<Found> {
         // First, so that invalidations it processes (the transaction's own DDL) are seen by `with_held`'s check.
         pg_sys::CommandCounterIncrement();
         super::handle::with_held(inbox.relid, |table| {
-            let snapshot = pg_sys::RegisterSnapshot(pg_sys::GetTransactionSnapshot());
-            let visible = pg_sys::table_tuple_fetch_row_version(table.rel, &mut tid, snapshot, table.slot);
-            pg_sys::UnregisterSnapshot(snapshot);
+            // One guard for the fetch (`unguarded`): pointers only.
+            let (rel, slot, tid) = (table.rel, table.slot, &mut tid);
+            let visible = unguarded::guarded(|| {
+                let snapshot = unguarded::RegisterSnapshot(unguarded::GetTransactionSnapshot());
+                let visible = unguarded::table_tuple_fetch_row_version(rel, tid, snapshot, slot);
+                unguarded::UnregisterSnapshot(snapshot);
+                visible
+            });
             // The place holds this id's row, or another id's of the same hash: checked.
             if !visible || entry_id(table.slot) != id.as_bytes() {
                 return None;
@@ -145,20 +150,26 @@ unsafe fn with_scan<R>(inbox: &Inbox, caller: pg_sys::MemoryContext, f: impl FnO
     // SAFETY: the table was opened and locked by this transaction (`inbox::open`); the index is locked here. Every
     // pointer lives until the matching end/close/drop, all before returning.
     unsafe {
-        // What SPI does before a statement: this transaction's own changes so far become visible (a no-op
-        // when there are none), and a snapshot is taken (a fresh one under READ COMMITTED).
-        pg_sys::CommandCounterIncrement();
-        let rel = pg_sys::table_open(inbox.relid, pg_sys::NoLock as pg_sys::LOCKMODE);
-        let index = pg_sys::index_open(inbox.shape().pkey, pg_sys::AccessShareLock as pg_sys::LOCKMODE);
-        let snapshot = pg_sys::RegisterSnapshot(pg_sys::GetTransactionSnapshot());
-        let slot = pg_sys::table_slot_create(rel, std::ptr::null_mut());
+        // Set up and torn down each under one guard (`unguarded`): the closures hold pointers and numbers only.
+        let (relid, pkey) = (inbox.relid, inbox.shape().pkey);
+        let (rel, index, snapshot, slot) = unguarded::guarded(|| {
+            // What SPI does before a statement: this transaction's own changes so far become visible (a no-op
+            // when there are none), and a snapshot is taken (a fresh one under READ COMMITTED).
+            unguarded::CommandCounterIncrement();
+            let rel = unguarded::table_open(relid, pg_sys::NoLock as pg_sys::LOCKMODE);
+            let index = unguarded::index_open(pkey, pg_sys::AccessShareLock as pg_sys::LOCKMODE);
+            let snapshot = unguarded::RegisterSnapshot(unguarded::GetTransactionSnapshot());
+            (rel, index, snapshot, unguarded::table_slot_create(rel, std::ptr::null_mut()))
+        });
         let scan = ports::index_beginscan(rel, index, snapshot, 1);
         let found = f(&Scan { rel, index, snapshot, slot, scan, caller });
-        pg_sys::ExecDropSingleTupleTableSlot(slot);
-        pg_sys::index_endscan(scan);
-        pg_sys::UnregisterSnapshot(snapshot);
-        pg_sys::index_close(index, pg_sys::NoLock as pg_sys::LOCKMODE);
-        pg_sys::table_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
+        unguarded::guarded(|| {
+            unguarded::ExecDropSingleTupleTableSlot(slot);
+            unguarded::index_endscan(scan);
+            unguarded::UnregisterSnapshot(snapshot);
+            unguarded::index_close(index, pg_sys::NoLock as pg_sys::LOCKMODE);
+            unguarded::table_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
+        });
         found
     }
 }

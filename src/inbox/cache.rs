@@ -4,7 +4,7 @@
 
 use super::{registry, Access, Inbox};
 use crate::errors::raise;
-use crate::relcache;
+use crate::{relcache, unguarded};
 use pgrx::prelude::*;
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
@@ -87,20 +87,16 @@ impl Opened {
                 };
             }
         }
-        // SAFETY: reads backend-local state; MyProc is set in every backend that runs SQL.
+        // SAFETY: reads backend-local state; MyProc is set in every backend that runs SQL. The two calls under one
+        // guard (`unguarded`): the closure holds numbers only.
         unsafe {
             #[cfg(any(feature = "pg17", feature = "pg18"))]
             let transaction = (*pg_sys::MyProc).vxid.lxid;
             #[cfg(not(any(feature = "pg17", feature = "pg18")))]
             let transaction = (*pg_sys::MyProc).lxid;
-            Opened {
-                access,
-                checked,
-                transaction,
-                subtransaction: pg_sys::GetCurrentSubTransactionId(),
-                user: pg_sys::GetUserId(),
-                epoch: EPOCH.get(),
-            }
+            let (subtransaction, user) =
+                unguarded::guarded(|| (unguarded::GetCurrentSubTransactionId(), unguarded::GetUserId()));
+            Opened { access, checked, transaction, subtransaction, user, epoch: EPOCH.get() }
         }
     }
 }

@@ -1,0 +1,117 @@
+//! Calls into PostgreSQL under one guard for a whole sequence, instead of pgrx's guard around each call: for the few
+//! sequences on every call's path that make several calls in a row (a write handle's use begun and ended, its locks
+//! taken again, a speculative insertion, the primary key's lookup set up and torn down, a claim read back where it
+//! was written, what an inbox's open is compared by).
+//!
+//! Why: pgrx wraps every `pg_sys` function in a guard of its own (a `sigsetjmp`, the thread check, and a copy of
+//! the guard's code at every call site). A `claim()` + `complete()` request went through 85 of them: 6.4 k of its
+//! 196 k instructions and 270 of its 6,700 instruction-cache misses (callgrind, bench/results/profiles/issue-22.md,
+//! stop 54).
+//!
+//! How it stays sound:
+//! - each function below is declared as PostgreSQL exports it (the static inline ones through the same C shims
+//!   pgrx's bindings call), and checked when the crate compiles to have exactly the signature of pgrx's binding for
+//!   the major being built, which pgrx generates from that major's headers;
+//! - they may only be called inside `guarded`: an ERROR raised by any of them jumps back to that one guard, which
+//!   turns it into a Rust panic as the per-call guard would. The frames the jump leaves are the closure's alone, so
+//!   the closure must hold nothing with a destructor, and must not panic (the guard is entered through an
+//!   `extern "C"` frame, which a panic may not cross): raw calls, plain pointers and numbers only.
+
+#![allow(non_snake_case)]
+
+use pgrx::prelude::*;
+
+/// Declares each function without pgrx's guard, and checks its signature against pgrx's binding of the same name.
+macro_rules! unguarded {
+    ($($(#[link_name = $link:literal])? fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)?;)*) => {
+        extern "C-unwind" {
+            $(
+                $(#[link_name = $link])?
+                pub fn $name($($arg: $ty),*) $(-> $ret)?;
+            )*
+        }
+        $(const _: unsafe fn($($ty),*) $(-> $ret)? = pg_sys::$name;)*
+    };
+}
+
+unguarded! {
+    fn CommandCounterIncrement();
+    fn GetCurrentTransactionId() -> pg_sys::TransactionId;
+    fn GetCurrentCommandId(used: bool) -> pg_sys::CommandId;
+    fn GetCurrentSubTransactionId() -> pg_sys::SubTransactionId;
+    fn GetUserId() -> pg_sys::Oid;
+    fn LockRelationOid(relid: pg_sys::Oid, lockmode: pg_sys::LOCKMODE);
+    fn RelationIncrementReferenceCount(rel: pg_sys::Relation);
+    fn RelationDecrementReferenceCount(rel: pg_sys::Relation);
+    fn MemoryContextReset(context: pg_sys::MemoryContext);
+    fn GetTransactionSnapshot() -> pg_sys::Snapshot;
+    fn RegisterSnapshot(snapshot: pg_sys::Snapshot) -> pg_sys::Snapshot;
+    fn UnregisterSnapshot(snapshot: pg_sys::Snapshot);
+    fn SpeculativeInsertionLockAcquire(xid: pg_sys::TransactionId) -> u32;
+    fn SpeculativeInsertionLockRelease(xid: pg_sys::TransactionId);
+    fn table_open(relationId: pg_sys::Oid, lockmode: pg_sys::LOCKMODE) -> pg_sys::Relation;
+    fn table_close(relation: pg_sys::Relation, lockmode: pg_sys::LOCKMODE);
+    fn index_open(relationId: pg_sys::Oid, lockmode: pg_sys::LOCKMODE) -> pg_sys::Relation;
+    fn index_close(relation: pg_sys::Relation, lockmode: pg_sys::LOCKMODE);
+    fn index_endscan(scan: pg_sys::IndexScanDesc);
+    fn table_slot_create(rel: pg_sys::Relation, reglist: *mut *mut pg_sys::List) -> *mut pg_sys::TupleTableSlot;
+    fn ExecDropSingleTupleTableSlot(slot: *mut pg_sys::TupleTableSlot);
+    #[link_name = "ExecClearTuple__pgrx_cshim"]
+    fn ExecClearTuple(slot: *mut pg_sys::TupleTableSlot) -> *mut pg_sys::TupleTableSlot;
+    #[link_name = "table_tuple_insert_speculative__pgrx_cshim"]
+    fn table_tuple_insert_speculative(
+        rel: pg_sys::Relation,
+        slot: *mut pg_sys::TupleTableSlot,
+        cid: pg_sys::CommandId,
+        options: std::ffi::c_int,
+        bistate: *mut pg_sys::BulkInsertStateData,
+        specToken: u32,
+    );
+    #[link_name = "table_tuple_complete_speculative__pgrx_cshim"]
+    fn table_tuple_complete_speculative(
+        rel: pg_sys::Relation,
+        slot: *mut pg_sys::TupleTableSlot,
+        specToken: u32,
+        succeeded: bool,
+    );
+    #[link_name = "table_tuple_fetch_row_version__pgrx_cshim"]
+    fn table_tuple_fetch_row_version(
+        rel: pg_sys::Relation,
+        tid: pg_sys::ItemPointer,
+        snapshot: pg_sys::Snapshot,
+        slot: *mut pg_sys::TupleTableSlot,
+    ) -> bool;
+}
+
+/// Runs `calls`, a sequence of this module's functions, under one guard: an ERROR any of them raises becomes a Rust
+/// panic here, as it would at each `pg_sys` function's own guard.
+///
+/// # Safety
+/// Each call must be one its `pg_sys` twin could make; `calls` must hold nothing with a destructor and must not
+/// panic (see the module comment).
+pub unsafe fn guarded<R>(calls: impl FnOnce() -> R) -> R {
+    // SAFETY: the caller vouches for the calls; this is the main thread, as for every call into PostgreSQL.
+    unsafe { pg_sys::ffi::pg_guard_ffi_boundary(calls) }
+}
+
+#[cfg(any(test, feature = "pg_test"))]
+#[pg_schema]
+mod tests {
+    use pgrx::prelude::*;
+
+    #[pg_test]
+    fn unguarded_an_error_in_a_sequence_is_caught_at_its_one_guard() {
+        // No relation has this oid: table_open raises an ERROR from inside the sequence. Caught at the guard, it is
+        // an ordinary error that the subtransaction rolls back; with no guard, PostgreSQL's jump would go past the
+        // subtransaction's catch, to the test's own guard.
+        let missing = pg_sys::Oid::from(u32::MAX - 7);
+        // SAFETY: a call its pg_sys twin could make; the closure holds an oid.
+        let caught = crate::xact::subtransaction(|| unsafe {
+            super::guarded(|| super::table_open(missing, pg_sys::AccessShareLock as pg_sys::LOCKMODE))
+        });
+        let error = caught.expect_err("opening a relation that does not exist raises an ERROR");
+        let message = crate::xact::report_of(&error).message();
+        assert!(message.contains("could not open relation with OID"), "{message}");
+        assert_eq!(crate::testing::one::<i32>("SELECT 1"), 1, "the transaction goes on");
+    }
+}
