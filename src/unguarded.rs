@@ -9,25 +9,48 @@
 //! stop 54).
 //!
 //! How it stays sound:
-//! - each function below is declared as PostgreSQL exports it (the static inline ones through the same C shims
-//!   pgrx's bindings call), and checked when the crate compiles to have exactly the signature of pgrx's binding for
-//!   the major being built, which pgrx generates from that major's headers;
-//! - they may only be called inside `guarded`: an ERROR raised by any of them jumps back to that one guard, which
-//!   turns it into a Rust panic as the per-call guard would. The frames the jump leaves are the closure's alone, so
-//!   the closure must hold nothing with a destructor, and must not panic (the guard is entered through an
-//!   `extern "C"` frame, which a panic may not cross): raw calls, plain pointers and numbers only.
+//! - each function below is declared as PostgreSQL exports it (the static inline ones through the C shims pgrx's
+//!   own bindings call, under the same names in every major); its argument and return types are checked when the
+//!   crate compiles against pgrx's binding of the same name for the major being built, which pgrx generates from
+//!   that major's headers;
+//! - they are methods of `Guard`, which only `guarded` makes, so they can only be called inside it: an ERROR raised
+//!   by any of them jumps back to that one guard, which turns it into a Rust panic as the per-call guard would. The
+//!   frames the jump leaves are the closure's alone, so the closure must hold nothing with a destructor and must not
+//!   panic (the guard is entered through an `extern "C"` frame, which a panic may not cross): only these calls,
+//!   plain pointers and numbers. Not a `pg_sys` function either: its own guard would turn an ERROR into a panic
+//!   inside the closure.
 
 #![allow(non_snake_case)]
 
 use pgrx::prelude::*;
 
-/// Declares each function without pgrx's guard, and checks its signature against pgrx's binding of the same name.
+/// The proof of being inside `guarded`: the functions below are its methods.
+pub struct Guard(());
+
+/// Declares each function without pgrx's guard, as a method of `Guard`, and checks its argument and return types
+/// against pgrx's binding of the same name.
 macro_rules! unguarded {
     ($($(#[link_name = $link:literal])? fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)?;)*) => {
-        extern "C-unwind" {
+        mod raw {
+            use super::*;
+            extern "C-unwind" {
+                $(
+                    $(#[link_name = $link])?
+                    pub(super) fn $name($($arg: $ty),*) $(-> $ret)?;
+                )*
+            }
+        }
+        impl Guard {
             $(
-                $(#[link_name = $link])?
-                pub fn $name($($arg: $ty),*) $(-> $ret)?;
+                /// As its `pg_sys` twin, without a guard of its own.
+                ///
+                /// # Safety
+                /// As for its `pg_sys` twin.
+                #[inline(always)]
+                pub unsafe fn $name(&self, $($arg: $ty),*) $(-> $ret)? {
+                    // SAFETY: the caller vouches for the call; `self` says a guard is around it.
+                    unsafe { raw::$name($($arg),*) }
+                }
             )*
         }
         $(const _: unsafe fn($($ty),*) $(-> $ret)? = pg_sys::$name;)*
@@ -83,35 +106,44 @@ unguarded! {
     ) -> bool;
 }
 
-/// Runs `calls`, a sequence of this module's functions, under one guard: an ERROR any of them raises becomes a Rust
+/// Runs `calls`, a sequence of `Guard`'s functions, under one guard: an ERROR any of them raises becomes a Rust
 /// panic here, as it would at each `pg_sys` function's own guard.
 ///
 /// # Safety
-/// Each call must be one its `pg_sys` twin could make; `calls` must hold nothing with a destructor and must not
-/// panic (see the module comment).
-pub unsafe fn guarded<R>(calls: impl FnOnce() -> R) -> R {
+/// Each call must be one its `pg_sys` twin could make; `calls` must hold nothing with a destructor, must not panic
+/// and must call no `pg_sys` function (see the module comment).
+pub unsafe fn guarded<R>(calls: impl FnOnce(&Guard) -> R) -> R {
     // SAFETY: the caller vouches for the calls; this is the main thread, as for every call into PostgreSQL.
-    unsafe { pg_sys::ffi::pg_guard_ffi_boundary(calls) }
+    unsafe { pg_sys::ffi::pg_guard_ffi_boundary(|| calls(&Guard(()))) }
 }
 
 #[cfg(any(test, feature = "pg_test"))]
 #[pg_schema]
 mod tests {
+    use crate::testing::one;
     use pgrx::prelude::*;
 
     #[pg_test]
     fn unguarded_an_error_in_a_sequence_is_caught_at_its_one_guard() {
-        // No relation has this oid: table_open raises an ERROR from inside the sequence. Caught at the guard, it is
-        // an ordinary error that the subtransaction rolls back; with no guard, PostgreSQL's jump would go past the
-        // subtransaction's catch, to the test's own guard.
-        let missing = pg_sys::Oid::from(u32::MAX - 7);
-        // SAFETY: a call its pg_sys twin could make; the closure holds an oid.
+        let table = one::<pg_sys::Oid>("SELECT 'dedup.inbox_default'::regclass::oid");
+        // SAFETY: reads a backend global.
+        let context = unsafe { pg_sys::CurrentMemoryContext };
+        // The second open raises an ERROR (no relation has oid 0) after the first went through. Caught at the guard,
+        // it is an ordinary error that the subtransaction rolls back (the first open's reference and lock with it);
+        // with no guard, PostgreSQL's jump would go past the subtransaction's catch to its own error handler.
+        // SAFETY: calls their pg_sys twins could make; the closure holds oids.
         let caught = crate::xact::subtransaction(|| unsafe {
-            super::guarded(|| super::table_open(missing, pg_sys::AccessShareLock as pg_sys::LOCKMODE))
+            super::guarded(|pg| {
+                let lock = pg_sys::AccessShareLock as pg_sys::LOCKMODE;
+                pg.table_open(table, lock);
+                pg.table_open(pg_sys::InvalidOid, lock)
+            })
         });
         let error = caught.expect_err("opening a relation that does not exist raises an ERROR");
         let message = crate::xact::report_of(&error).message();
-        assert!(message.contains("could not open relation with OID"), "{message}");
-        assert_eq!(crate::testing::one::<i32>("SELECT 1"), 1, "the transaction goes on");
+        assert!(message.contains("could not open relation with OID 0"), "{message}");
+        // SAFETY: reads a backend global.
+        assert_eq!(unsafe { pg_sys::CurrentMemoryContext }, context, "back in the caller's memory context");
+        assert_eq!(one::<i32>("SELECT 1"), 1, "the transaction goes on");
     }
 }

@@ -165,9 +165,9 @@ impl Held {
             // SAFETY: locks relations by oid, as the executor's opens do (held until the transaction ends); the loop
             // holds a borrowed slice and oids.
             unsafe {
-                unguarded::guarded(|| {
+                unguarded::guarded(|pg| {
                     for (relid, _) in relations {
-                        unguarded::LockRelationOid(*relid, pg_sys::RowExclusiveLock as pg_sys::LOCKMODE);
+                        pg.LockRelationOid(*relid, pg_sys::RowExclusiveLock as pg_sys::LOCKMODE);
                     }
                 })
             };
@@ -189,24 +189,24 @@ impl Held {
                 // before its transaction aborts); the slot and the per-use memory hold only this use's values. One
                 // guard for the lot: the closure holds pointers only.
                 unsafe {
-                    let handle = &held.handle;
-                    let (per_use, caller) = (held.per_use, *caller);
-                    unguarded::guarded(|| {
-                        unguarded::ExecClearTuple(handle.slot);
+                    // Back in the caller's memory context first, where an ERROR below would leave it too.
+                    pg_sys::MemoryContextSwitchTo(*caller);
+                    let (handle, per_use) = (&held.handle, held.per_use);
+                    unguarded::guarded(|pg| {
+                        pg.ExecClearTuple(handle.slot);
                         let per_tuple = (*handle.estate).es_per_tuple_exprcontext;
                         if !per_tuple.is_null() {
-                            unguarded::MemoryContextReset((*per_tuple).ecxt_per_tuple_memory);
+                            pg.MemoryContextReset((*per_tuple).ecxt_per_tuple_memory);
                         }
-                        pg_sys::MemoryContextSwitchTo(caller);
                         // What the index access methods cached is in the per-use memory (ii_Context): forgotten
                         // with it (`inserting` let BRIN's buffers go already).
                         let r = &*handle.result_rel;
                         for i in 0..r.ri_NumIndices.max(0) as usize {
                             (**r.ri_IndexRelationInfo.add(i)).ii_AmCache = std::ptr::null_mut();
                         }
-                        unguarded::MemoryContextReset(per_use);
+                        pg.MemoryContextReset(per_use);
                         for r in handle.relations() {
-                            unguarded::RelationDecrementReferenceCount(r);
+                            pg.RelationDecrementReferenceCount(r);
                         }
                     })
                 }
@@ -216,9 +216,9 @@ impl Held {
         // SAFETY: the handle is sound (the relcache entries are those it was set up with), so its pointers are
         // valid; a reference to each is taken, as an open would.
         let caller = unsafe {
-            unguarded::guarded(|| {
+            unguarded::guarded(|pg| {
                 for r in self.handle.relations() {
-                    unguarded::RelationIncrementReferenceCount(r);
+                    pg.RelationIncrementReferenceCount(r);
                 }
             });
             pg_sys::MemoryContextSwitchTo(self.per_use)

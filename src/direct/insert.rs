@@ -139,18 +139,18 @@ unsafe fn insert_one(table: &Handle, ns: u64, id: &str, values: &Values) -> bool
     unsafe {
         store_row(slot, id, values);
         // Each run of calls under one guard (`unguarded`): they hold pointers and numbers only.
-        let (xid, token) = unguarded::guarded(|| {
-            let xid = unguarded::GetCurrentTransactionId();
-            let token = unguarded::SpeculativeInsertionLockAcquire(xid);
-            let cid = unguarded::GetCurrentCommandId(true);
-            unguarded::table_tuple_insert_speculative(rel, slot, cid, 0, std::ptr::null_mut(), token);
+        let (xid, token) = unguarded::guarded(|pg| {
+            let xid = pg.GetCurrentTransactionId();
+            let token = pg.SpeculativeInsertionLockAcquire(xid);
+            let cid = pg.GetCurrentCommandId(true);
+            pg.table_tuple_insert_speculative(rel, slot, cid, 0, std::ptr::null_mut(), token);
             (xid, token)
         });
         let mut conflict = false;
         ports::ExecInsertIndexTuples(result_rel, slot, estate, Some(&mut conflict), ports::Entries::Inserted);
-        unguarded::guarded(|| {
-            unguarded::table_tuple_complete_speculative(rel, slot, token, !conflict);
-            unguarded::SpeculativeInsertionLockRelease(xid);
+        unguarded::guarded(|pg| {
+            pg.table_tuple_complete_speculative(rel, slot, token, !conflict);
+            pg.SpeculativeInsertionLockRelease(xid);
         });
         if !conflict {
             // What the filter trigger does for the executor: the bits, once the row exists (a killed row needs none).

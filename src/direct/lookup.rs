@@ -68,10 +68,10 @@ pub fn own_row(inbox: &Inbox, id: &str) -> Option<Found> {
         super::handle::with_held(inbox.relid, |table| {
             // One guard for the fetch (`unguarded`): pointers only.
             let (rel, slot, tid) = (table.rel, table.slot, &mut tid);
-            let visible = unguarded::guarded(|| {
-                let snapshot = unguarded::RegisterSnapshot(unguarded::GetTransactionSnapshot());
-                let visible = unguarded::table_tuple_fetch_row_version(rel, tid, snapshot, slot);
-                unguarded::UnregisterSnapshot(snapshot);
+            let visible = unguarded::guarded(|pg| {
+                let snapshot = pg.RegisterSnapshot(pg.GetTransactionSnapshot());
+                let visible = pg.table_tuple_fetch_row_version(rel, tid, snapshot, slot);
+                pg.UnregisterSnapshot(snapshot);
                 visible
             });
             // The place holds this id's row, or another id's of the same hash: checked.
@@ -152,23 +152,23 @@ unsafe fn with_scan<R>(inbox: &Inbox, caller: pg_sys::MemoryContext, f: impl FnO
     unsafe {
         // Set up and torn down each under one guard (`unguarded`): the closures hold pointers and numbers only.
         let (relid, pkey) = (inbox.relid, inbox.shape().pkey);
-        let (rel, index, snapshot, slot) = unguarded::guarded(|| {
+        let (rel, index, snapshot, slot) = unguarded::guarded(|pg| {
             // What SPI does before a statement: this transaction's own changes so far become visible (a no-op
             // when there are none), and a snapshot is taken (a fresh one under READ COMMITTED).
-            unguarded::CommandCounterIncrement();
-            let rel = unguarded::table_open(relid, pg_sys::NoLock as pg_sys::LOCKMODE);
-            let index = unguarded::index_open(pkey, pg_sys::AccessShareLock as pg_sys::LOCKMODE);
-            let snapshot = unguarded::RegisterSnapshot(unguarded::GetTransactionSnapshot());
-            (rel, index, snapshot, unguarded::table_slot_create(rel, std::ptr::null_mut()))
+            pg.CommandCounterIncrement();
+            let rel = pg.table_open(relid, pg_sys::NoLock as pg_sys::LOCKMODE);
+            let index = pg.index_open(pkey, pg_sys::AccessShareLock as pg_sys::LOCKMODE);
+            let snapshot = pg.RegisterSnapshot(pg.GetTransactionSnapshot());
+            (rel, index, snapshot, pg.table_slot_create(rel, std::ptr::null_mut()))
         });
         let scan = ports::index_beginscan(rel, index, snapshot, 1);
         let found = f(&Scan { rel, index, snapshot, slot, scan, caller });
-        unguarded::guarded(|| {
-            unguarded::ExecDropSingleTupleTableSlot(slot);
-            unguarded::index_endscan(scan);
-            unguarded::UnregisterSnapshot(snapshot);
-            unguarded::index_close(index, pg_sys::NoLock as pg_sys::LOCKMODE);
-            unguarded::table_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
+        unguarded::guarded(|pg| {
+            pg.ExecDropSingleTupleTableSlot(slot);
+            pg.index_endscan(scan);
+            pg.UnregisterSnapshot(snapshot);
+            pg.index_close(index, pg_sys::NoLock as pg_sys::LOCKMODE);
+            pg.table_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
         });
         found
     }

@@ -94,8 +94,7 @@ impl Opened {
             let transaction = (*pg_sys::MyProc).vxid.lxid;
             #[cfg(not(any(feature = "pg17", feature = "pg18")))]
             let transaction = (*pg_sys::MyProc).lxid;
-            let (subtransaction, user) =
-                unguarded::guarded(|| (unguarded::GetCurrentSubTransactionId(), unguarded::GetUserId()));
+            let (subtransaction, user) = unguarded::guarded(|pg| (pg.GetCurrentSubTransactionId(), pg.GetUserId()));
             Opened { access, checked, transaction, subtransaction, user, epoch: EPOCH.get() }
         }
     }
