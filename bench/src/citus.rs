@@ -172,57 +172,55 @@ pub fn scenarios(scale: &Scale) -> Vec<Row> {
         }
         let m = compare(&mut c, &pgbench, &setting, &sides);
         let at = setting.label();
+        // A row of side `a` against side `b` (indexes into `sides`), with each round's rates.
+        let row = |scenario: String, (a_label, a): (&str, usize), (b_label, b): (&str, usize)| {
+            Row::new(&scenario, (a_label, m[a].rate), (b_label, m[b].rate), "ids/s").rounds(&m[a].rounds, &m[b].rounds)
+        };
         // The rows against the hand-written INSERT in a transaction, all measured in the same rounds.
-        let in_tx_row = |scenario: &str, side: (&str, f64)| {
-            Row::new(&format!("Citus: {scenario} in a transaction, {at}"), side, ("hand-written", m[1].rate), "ids/s")
+        let in_tx_row = |scenario: &str, side: (&str, usize)| {
+            row(format!("Citus: {scenario} in a transaction, {at}"), side, ("hand-written", 1))
         };
         rows.push(
             in_tx_row(
                 "mark() on a distributed inbox vs INSERT ... ON CONFLICT through Citus,",
-                ("mark, distributed", m[0].rate),
+                ("mark, distributed", 0),
             )
             .goal(Goal::AtLeast(0.95)),
         );
         rows.push(in_tx_row(
             "ceiling: the hand-written INSERT run by a PL/pgSQL function vs hand-written,",
-            ("in a function", m[5].rate),
+            ("in a function", 5),
         ));
-        rows.push(Row::new(
-            &format!("Citus: the same, each alone in autocommit, {at}"),
-            ("mark, distributed", m[2].rate),
-            ("hand-written", m[3].rate),
-            "ids/s",
+        rows.push(row(
+            format!("Citus: the same, each alone in autocommit, {at}"),
+            ("mark, distributed", 2),
+            ("hand-written", 3),
         ));
         rows.push(
             in_tx_row(
                 "mark() delegated to the worker (create_distributed_function) vs hand-written,",
-                ("mark, delegated", m[6].rate),
+                ("mark, delegated", 6),
             )
             .goal(Goal::AtLeast(1.0)),
         );
-        rows.push(in_tx_row(
-            "ceiling: a delegated function doing nothing vs hand-written,",
-            ("delegated, nothing", m[8].rate),
-        ));
+        rows.push(in_tx_row("ceiling: a delegated function doing nothing vs hand-written,", ("delegated, nothing", 8)));
         rows.push(in_tx_row(
             "ceiling: the hand-written INSERT run by a delegated PL/pgSQL function vs hand-written,",
-            ("delegated, hand-written", m[10].rate),
+            ("delegated, hand-written", 10),
         ));
         rows.push(in_tx_row(
             "ceiling: a delegated function inserting into a plain table of the worker vs hand-written,",
-            ("delegated, plain table", m[9].rate),
+            ("delegated, plain table", 9),
         ));
-        rows.push(Row::new(
-            &format!("Citus: mark() delegated vs hand-written, each alone in autocommit, {at}"),
-            ("mark, delegated", m[7].rate),
-            ("hand-written", m[3].rate),
-            "ids/s",
+        rows.push(row(
+            format!("Citus: mark() delegated vs hand-written, each alone in autocommit, {at}"),
+            ("mark, delegated", 7),
+            ("hand-written", 3),
         ));
-        rows.push(Row::new(
-            &format!("Citus: mark() distributed vs into the coordinator's own inbox, autocommit, {at}"),
-            ("distributed", m[2].rate),
-            ("one node", m[4].rate),
-            "ids/s",
+        rows.push(row(
+            format!("Citus: mark() distributed vs into the coordinator's own inbox, autocommit, {at}"),
+            ("distributed", 2),
+            ("one node", 4),
         ));
     }
     drop(c);

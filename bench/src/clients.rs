@@ -75,7 +75,7 @@ pub fn row(
     (b_label, b): (&str, &Measured),
     unit: &'static str,
 ) -> Row {
-    let mut row = Row::new(&scenario, (a_label, a.rate), (b_label, b.rate), unit);
+    let mut row = Row::new(&scenario, (a_label, a.rate), (b_label, b.rate), unit).rounds(&a.rounds, &b.rounds);
     if let (Some(wa), Some(wb)) = (a.wal_per_id, b.wal_per_id) {
         row = row.wal(wa, wb);
     }

@@ -55,6 +55,8 @@ pub struct Measured {
     pub cpu_per_id: Option<f64>,
     /// ids processed over all rounds (pgbench sides), i.e. the rows a side of all-new ids added to its table.
     pub ids: u64,
+    /// Each round's rate, in round order: the median hides a round that went wrong, these show it.
+    pub rounds: Vec<f64>,
 }
 
 struct Sample {
@@ -125,6 +127,7 @@ pub fn compare(c: &mut Client, pgbench: &Pgbench, setting: &Setting, sides: &[Si
             wal_per_id: runs.iter().map(|s| s.wal_per_id).collect::<Option<Vec<_>>>().map(median),
             cpu_per_id: runs.iter().map(|s| s.cpu_per_id).collect::<Option<Vec<_>>>().map(median),
             ids: runs.iter().map(|s| s.ids).sum(),
+            rounds: runs.iter().map(|s| s.rate).collect(),
         })
         .collect()
 }

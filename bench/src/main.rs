@@ -105,6 +105,8 @@ pub struct Row {
     pub wal: Option<[f64; 2]>,
     /// The server's CPU microseconds per id of A and B (client-side scenarios).
     pub cpu: Option<[f64; 2]>,
+    /// Each round's value of A and of B, in round order (client-side scenarios; A and B are their medians).
+    pub rounds: Option<[Vec<f64>; 2]>,
 }
 
 impl Row {
@@ -119,6 +121,7 @@ impl Row {
             goal: None,
             wal: None,
             cpu: None,
+            rounds: None,
         }
     }
 
@@ -132,6 +135,10 @@ impl Row {
 
     pub fn cpu(self, a: f64, b: f64) -> Row {
         Row { cpu: Some([a, b]), ..self }
+    }
+
+    pub fn rounds(self, a: &[f64], b: &[f64]) -> Row {
+        Row { rounds: Some([a.to_vec(), b.to_vec()]), ..self }
     }
 
     /// A / B; none when B is 0, or when the goal is A = 0 (WAL bytes of duplicates: a fraction of a byte of

@@ -84,6 +84,11 @@ fn json_number(x: Option<f64>) -> String {
     x.filter(|x| x.is_finite()).map_or("null".into(), |x| format!("{x:.3}"))
 }
 
+fn json_numbers(xs: &[f64]) -> String {
+    let xs: Vec<String> = xs.iter().map(|&x| json_number(Some(x))).collect();
+    format!("[{}]", xs.join(", "))
+}
+
 fn json(rows: &[Row], curve: &[Point], machine: &Machine) -> String {
     let machine: Vec<String> =
         machine.iter().map(|(k, v)| format!("    {}: {}", json_string(k), json_string(v))).collect();
@@ -92,7 +97,8 @@ fn json(rows: &[Row], curve: &[Point], machine: &Machine) -> String {
         .map(|r| {
             format!(
                 "    {{\"scenario\": {}, \"a\": {}, \"a_value\": {}, \"b\": {}, \"b_value\": {}, \"unit\": {}, \"ratio\": {}, \
-                 \"goal\": {}, \"goal_met\": {}, \"wal_bytes_per_id\": {}, \"server_cpu_us_per_id\": {}}}",
+                 \"goal\": {}, \"goal_met\": {}, \"wal_bytes_per_id\": {}, \"server_cpu_us_per_id\": {}, \
+                 \"rounds\": {}}}",
                 json_string(&r.scenario),
                 json_string(&r.variant_a),
                 json_number(Some(r.a)),
@@ -104,6 +110,7 @@ fn json(rows: &[Row], curve: &[Point], machine: &Machine) -> String {
                 r.met().map_or("null".into(), |m| m.to_string()),
                 r.wal.map_or("null".into(), |[a, b]| format!("[{}, {}]", json_number(Some(a)), json_number(Some(b)))),
                 r.cpu.map_or("null".into(), |[a, b]| format!("[{}, {}]", json_number(Some(a)), json_number(Some(b)))),
+                r.rounds.as_ref().map_or("null".into(), |[a, b]| format!("[{}, {}]", json_numbers(a), json_numbers(b))),
             )
         })
         .collect();
@@ -185,4 +192,19 @@ pub fn write(dir: &Path, rows: &[Row], curve: &[Point], machine: &Machine) -> st
         field(machine, "postgresql")
     );
     std::fs::write(dir.join("latest.svg"), crate::chart::svg(rows, curve, &title))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::json;
+    use crate::Row;
+
+    #[test]
+    fn json_gives_each_rounds_rates_when_the_row_has_them() {
+        let with = Row::new("with", ("a", 2.0), ("b", 1.0), "tx/s").rounds(&[1.0, 2.0, 3.0], &[1.5, 1.0, 0.5]);
+        let without = Row::new("without", ("a", 2.0), ("b", 1.0), "tx/s");
+        let out = json(&[with, without], &[], &vec![("cpu", "x".to_owned())]);
+        assert!(out.contains("\"rounds\": [[1.000, 2.000, 3.000], [1.500, 1.000, 0.500]]}"), "{out}");
+        assert!(out.contains("\"scenario\": \"without\"") && out.contains("\"rounds\": null}"), "{out}");
+    }
 }
