@@ -172,7 +172,8 @@ pub fn scenarios(scale: &Scale) -> Vec<Row> {
         }
         let m = compare(&mut c, &pgbench, &setting, &sides);
         let at = setting.label();
-        // A row of side `a` against side `b` (indexes into `sides`), with each round's rates.
+        // A row of side `a` against side `b` (indexes into `sides`), with each round's rates. Not `clients::row`:
+        // its WAL and CPU figures would be the coordinator's alone, little of what a three-node cluster does.
         let row = |scenario: String, (a_label, a): (&str, usize), (b_label, b): (&str, usize)| {
             Row::new(&scenario, (a_label, m[a].rate), (b_label, m[b].rate), "ids/s").rounds(&m[a].rounds, &m[b].rounds)
         };

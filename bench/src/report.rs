@@ -108,8 +108,8 @@ fn json(rows: &[Row], curve: &[Point], machine: &Machine) -> String {
                 json_number(r.ratio()),
                 r.goal.map_or("null".into(), |g| json_string(&g.label())),
                 r.met().map_or("null".into(), |m| m.to_string()),
-                r.wal.map_or("null".into(), |[a, b]| format!("[{}, {}]", json_number(Some(a)), json_number(Some(b)))),
-                r.cpu.map_or("null".into(), |[a, b]| format!("[{}, {}]", json_number(Some(a)), json_number(Some(b)))),
+                r.wal.map_or("null".into(), |wal| json_numbers(&wal)),
+                r.cpu.map_or("null".into(), |cpu| json_numbers(&cpu)),
                 r.rounds.as_ref().map_or("null".into(), |[a, b]| format!("[{}, {}]", json_numbers(a), json_numbers(b))),
             )
         })
@@ -201,9 +201,11 @@ mod tests {
 
     #[test]
     fn json_gives_each_rounds_rates_when_the_row_has_them() {
-        let with = Row::new("with", ("a", 2.0), ("b", 1.0), "tx/s").rounds(&[1.0, 2.0, 3.0], &[1.5, 1.0, 0.5]);
+        let with =
+            Row::new("with", ("a", 2.0), ("b", 1.0), "tx/s").rounds(&[1.0, 2.0, 3.0], &[1.5, 1.0, 0.5]).wal(1.0, 2.5);
         let without = Row::new("without", ("a", 2.0), ("b", 1.0), "tx/s");
         let out = json(&[with, without], &[], &vec![("cpu", "x".to_owned())]);
+        assert!(out.contains("\"wal_bytes_per_id\": [1.000, 2.500], "), "{out}");
         assert!(out.contains("\"rounds\": [[1.000, 2.000, 3.000], [1.500, 1.000, 0.500]]}"), "{out}");
         assert!(out.contains("\"scenario\": \"without\"") && out.contains("\"rounds\": null}"), "{out}");
     }
