@@ -108,6 +108,10 @@ pub struct Shape {
     pub pkey: pg_sys::Oid,
     /// Distributed by Citus (`citus`): its rows live in shards elsewhere, and only SQL reaches them.
     pub distributed: bool,
+    /// Is the primary key the table's only unique index, with no exclusion constraint? Then `ON CONFLICT DO NOTHING`
+    /// without a conflict target means `ON CONFLICT (id)`, and the inserts Citus sends to a distributed inbox's
+    /// shards as text go without one (`stmt::target`).
+    pub key_only_unique: bool,
 }
 
 impl Shape {
@@ -131,8 +135,39 @@ impl Shape {
                 claim_columns,
                 pkey: crate::ports::primary_key_index(rel),
                 distributed,
+                key_only_unique: key_only_unique(rel),
             }
         }
+    }
+}
+
+/// Is the primary key `rel`'s only unique index, and is there no exclusion constraint either?
+///
+/// # Safety
+/// `rel` must be an open relation.
+unsafe fn key_only_unique(rel: pg_sys::Relation) -> bool {
+    // SAFETY: the caller vouches for the relation; each index's pg_index row is read from the syscache and released,
+    // and the list is the relcache's copy, ours to free.
+    unsafe {
+        let indexes = pg_sys::RelationGetIndexList(rel);
+        let pkey = (*rel).rd_pkindex;
+        let mut only = pkey != pg_sys::InvalidOid;
+        for i in 0..pg_sys::list_length(indexes) {
+            let index = pg_sys::list_nth_oid(indexes, i);
+            let tuple =
+                pg_sys::SearchSysCache1(pg_sys::SysCacheIdentifier::INDEXRELID as i32, pg_sys::Datum::from(index));
+            if tuple.is_null() {
+                only = false;
+                continue;
+            }
+            let form = &*crate::ports::GETSTRUCT::<pg_sys::FormData_pg_index>(tuple);
+            if index != pkey && (form.indisunique || form.indisexclusion) {
+                only = false;
+            }
+            pg_sys::ReleaseSysCache(tuple);
+        }
+        pg_sys::list_free(indexes);
+        only
     }
 }
 

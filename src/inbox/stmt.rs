@@ -48,12 +48,16 @@ impl Stmt {
         match self {
             // Without RETURNING: the row count SPI reports says whether the row went in (Citus counts the rows
             // the worker inserted), and Citus then neither asks the worker for a row nor keeps it in a tuplestore.
+            // Without a conflict target where the key is the only unique index (the same arbiter): Citus sends the
+            // statement as text, and the node holding the shard parses, infers and plans the target at every call,
+            // which cost 7% of the hand-written INSERT's throughput at 8 clients (profiles/issue-23.md, stop 56).
             Stmt::Insert if shape.distributed => {
-                format!("INSERT INTO {table} (id, expires_at) VALUES ($1, $2) ON CONFLICT (id) DO NOTHING")
+                format!("INSERT INTO {table} (id, expires_at) VALUES ($1, $2) ON CONFLICT{} DO NOTHING", target(shape))
             }
             Stmt::InsertMany if shape.distributed => format!(
                 "WITH ins AS (INSERT INTO {table} (id, expires_at) SELECT u.id, $2 FROM pg_catalog.unnest($1) \
-                 WITH ORDINALITY AS u(id, n) ORDER BY u.n ON CONFLICT (id) DO NOTHING RETURNING id) SELECT id FROM ins"
+                 WITH ORDINALITY AS u(id, n) ORDER BY u.n ON CONFLICT{} DO NOTHING RETURNING id) SELECT id FROM ins",
+                target(shape)
             ),
             // The outer test of expires_at again: a row renewed by a mark between the two (the subquery runs
             // first, as a step of its own) keeps its id, and the DELETE's recheck of the new version must see
@@ -108,7 +112,8 @@ impl Stmt {
             ),
             Stmt::ClaimInsert => format!(
                 "INSERT INTO {table} (id, expires_at, fingerprint, lease_until, completed) \
-                 VALUES ($1, $2, $3, $4, false) ON CONFLICT (id) DO NOTHING RETURNING true"
+                 VALUES ($1, $2, $3, $4, false) ON CONFLICT{} DO NOTHING RETURNING true",
+                target(shape)
             ),
             Stmt::ClaimTakeOver => format!(
                 "UPDATE {table} SET expires_at = $2, fingerprint = $3, result = NULL, lease_until = $4, \
@@ -149,5 +154,17 @@ impl Stmt {
             Stmt::Complete => vec![TEXTOID, JSONBOID, TIMESTAMPTZOID],
         };
         oids.into_iter().map(PgOid::BuiltIn).collect()
+    }
+}
+
+/// The conflict target of an insert that Citus sends to a shard as text: none where the primary key is the only
+/// unique index (any conflict is then one on `id`), `(id)` otherwise, so that a conflict on another unique index
+/// raises its own error (unique_violation) instead of leaving the id unwritten and `mark()` going round until it
+/// gives up. A local inbox's statements keep `(id)`: their plans are cached, so the target is inferred once.
+fn target(shape: &super::Shape) -> &'static str {
+    if shape.distributed && shape.key_only_unique {
+        ""
+    } else {
+        " (id)"
     }
 }
