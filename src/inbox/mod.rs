@@ -108,9 +108,9 @@ pub struct Shape {
     pub pkey: pg_sys::Oid,
     /// Distributed by Citus (`citus`): its rows live in shards elsewhere, and only SQL reaches them.
     pub distributed: bool,
-    /// Is the primary key the table's only unique index, with no exclusion constraint? Then `ON CONFLICT DO NOTHING`
-    /// without a conflict target means `ON CONFLICT (id)`, and the inserts Citus sends to a distributed inbox's
-    /// shards as text go without one (`stmt::target`).
+    /// Distributed, and the primary key on `id` its only unique index, with no exclusion constraint? Then `ON
+    /// CONFLICT DO NOTHING` without a conflict target means `ON CONFLICT (id)`, and the inserts Citus sends to the
+    /// shards as text go without one (`stmt::target`). Not asked of a local inbox, whose statements keep the target.
     pub key_only_unique: bool,
 }
 
@@ -135,13 +135,13 @@ impl Shape {
                 claim_columns,
                 pkey: crate::ports::primary_key_index(rel),
                 distributed,
-                key_only_unique: key_only_unique(rel),
+                key_only_unique: distributed && key_only_unique(rel),
             }
         }
     }
 }
 
-/// Is the primary key `rel`'s only unique index, and is there no exclusion constraint either?
+/// Is the primary key `rel`'s only unique index, on `id` alone, and is there no exclusion constraint either?
 ///
 /// # Safety
 /// `rel` must be an open relation.
@@ -161,7 +161,11 @@ unsafe fn key_only_unique(rel: pg_sys::Relation) -> bool {
                 continue;
             }
             let form = &*crate::ports::GETSTRUCT::<pg_sys::FormData_pg_index>(tuple);
-            if index != pkey && (form.indisunique || form.indisexclusion) {
+            if index == pkey {
+                // On `id` (the row type's first column) alone: under a key an owner widened, say to (id, fingerprint),
+                // no target would let a second row of an id in, where `ON CONFLICT (id)` fails (no index matches it).
+                only &= form.indnatts == 1 && form.indkey.values.as_slice(1)[0] == 1;
+            } else if form.indisunique || form.indisexclusion {
                 only = false;
             }
             pg_sys::ReleaseSysCache(tuple);

@@ -50,7 +50,8 @@ impl Stmt {
             // the worker inserted), and Citus then neither asks the worker for a row nor keeps it in a tuplestore.
             // Without a conflict target where the key is the only unique index (the same arbiter): Citus sends the
             // statement as text, and the node holding the shard parses, infers and plans the target at every call,
-            // which cost 7% of the hand-written INSERT's throughput at 8 clients (profiles/issue-23.md, stop 56).
+            // which cost 7 points of the ratio to the hand-written INSERT at 8 clients (bench/results/profiles/issue-23.md,
+            // stop 56).
             Stmt::Insert if shape.distributed => {
                 format!("INSERT INTO {table} (id, expires_at) VALUES ($1, $2) ON CONFLICT{} DO NOTHING", target(shape))
             }
@@ -162,7 +163,7 @@ impl Stmt {
 /// raises its own error (unique_violation) instead of leaving the id unwritten and `mark()` going round until it
 /// gives up. A local inbox's statements keep `(id)`: their plans are cached, so the target is inferred once.
 fn target(shape: &super::Shape) -> &'static str {
-    if shape.distributed && shape.key_only_unique {
+    if shape.key_only_unique {
         ""
     } else {
         " (id)"
