@@ -50,8 +50,8 @@ impl Stmt {
             // the worker inserted), and Citus then neither asks the worker for a row nor keeps it in a tuplestore.
             // Without a conflict target where the key is the only unique index (the same arbiter): Citus sends the
             // statement as text, and the node holding the shard parses, infers and plans the target at every call,
-            // which cost 7 points of the ratio to the hand-written INSERT at 8 clients (bench/results/profiles/issue-23.md,
-            // stop 56).
+            // which cost 7 points of the ratio to the hand-written INSERT at 8 clients
+            // (bench/results/profiles/issue-23.md, stop 56).
             Stmt::Insert if shape.distributed => {
                 format!("INSERT INTO {table} (id, expires_at) VALUES ($1, $2) ON CONFLICT{} DO NOTHING", target(shape))
             }
