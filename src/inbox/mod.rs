@@ -129,28 +129,29 @@ impl Shape {
                 && crate::direct::needs_only_rows(rel, &COLUMNS, |_| false);
             let claim_columns =
                 (0..desc.len()).any(|i| crate::direct::column_is(&desc, i, "completed", pg_sys::BOOLOID));
+            let pkey = crate::ports::primary_key_index(rel);
             Shape {
                 trigger: State::of(rel),
                 plain,
                 claim_columns,
-                pkey: crate::ports::primary_key_index(rel),
+                pkey,
                 distributed,
-                key_only_unique: distributed && key_only_unique(rel),
+                key_only_unique: distributed && key_only_unique(rel, pkey),
             }
         }
     }
 }
 
-/// Is the primary key `rel`'s only unique index, on `id` alone, and is there no exclusion constraint either?
+/// Is `pkey`, `rel`'s primary key (InvalidOid: none), its only unique index, on `id` alone, and is there no exclusion
+/// constraint either?
 ///
 /// # Safety
 /// `rel` must be an open relation.
-unsafe fn key_only_unique(rel: pg_sys::Relation) -> bool {
+unsafe fn key_only_unique(rel: pg_sys::Relation, pkey: pg_sys::Oid) -> bool {
     // SAFETY: the caller vouches for the relation; each index's pg_index row is read from the syscache and released,
     // and the list is the relcache's copy, ours to free.
     unsafe {
         let indexes = pg_sys::RelationGetIndexList(rel);
-        let pkey = (*rel).rd_pkindex;
         let mut only = pkey != pg_sys::InvalidOid;
         for i in 0..pg_sys::list_length(indexes) {
             let index = pg_sys::list_nth_oid(indexes, i);
