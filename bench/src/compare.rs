@@ -1,6 +1,7 @@
 //! One client-side comparison: several sides (pgbench scripts, Redis, the disk's flush rate) at one setting
 //! (clients, synchronous_commit, seconds per run), run alternately (every side once per round) and summarised as
-//! medians, so the shared machine's noise hits every side alike.
+//! medians, so the shared machine's noise hits every side alike. And a paired comparison of two sides, for a ratio
+//! that medians of a few rounds cannot place on either side of its goal.
 
 use crate::pgbench::{Commit, Pgbench};
 use crate::redis::Redis;
@@ -130,4 +131,116 @@ pub fn compare(c: &mut Client, pgbench: &Pgbench, setting: &Setting, sides: &[Si
             rounds: runs.iter().map(|s| s.rate).collect(),
         })
         .collect()
+}
+
+/// Two sides compared pair by pair (`paired`).
+pub struct Paired {
+    /// The geometric means of A's and of B's rates: A / B is the geometric mean of the pairs' ratios.
+    pub a: f64,
+    pub b: f64,
+    /// The 90% interval of A / B.
+    pub low: f64,
+    pub high: f64,
+    /// Each pair's rates of A and of B, in order.
+    pub rounds: [Vec<f64>; 2],
+}
+
+/// Runs `a` and `b` in pairs of short runs back to back, A B, B A, A B, ... (`setting.rounds` pairs of
+/// `setting.secs` seconds). A side's rate moves by ±20% from one run to the next on this shared machine, and with
+/// several sides per round a round's runs lie a minute apart: medians of five rounds then land anywhere within about
+/// ±10% of the truth. The two runs of a pair share the machine's state of the moment, so the pair's ratio is far
+/// steadier than either rate.
+pub fn paired(c: &mut Client, pgbench: &Pgbench, setting: &Setting, a: Side, b: Side) -> Paired {
+    let mut m = compare(c, pgbench, setting, &[a, b]).into_iter();
+    let (a, b) = (m.next().unwrap().rounds, m.next().unwrap().rounds);
+    paired_ratio(a, b)
+}
+
+/// Blocks of consecutive pairs whose mean log-ratios give the interval, from 10 pairs on.
+const BLOCKS: usize = 5;
+
+/// The geometric means and the 90% interval (Student's t) of A / B. Neighbouring pairs are not independent: the
+/// tables grow, the host's other tenants come and go, and stop 56's three batches of the same pairs gave intervals
+/// that did not overlap. So the interval comes from the means of `BLOCKS` runs of consecutive pairs, which carry
+/// that drift, rather than from the pairs themselves, whose spread does not (it would be about half as wide).
+fn paired_ratio(a: Vec<f64>, b: Vec<f64>) -> Paired {
+    let n = a.len();
+    assert!(n >= 2 && b.len() == n, "a paired comparison needs two pairs or more");
+    let mean = |xs: &[f64]| xs.iter().sum::<f64>() / xs.len() as f64;
+    let geometric_mean = |xs: &[f64]| mean(&xs.iter().map(|x| x.ln()).collect::<Vec<_>>()).exp();
+    let logs: Vec<f64> = a.iter().zip(&b).map(|(a, b)| (a / b).ln()).collect();
+    let blocks = if n >= 2 * BLOCKS { BLOCKS } else { n };
+    let units: Vec<f64> = (0..blocks).map(|k| mean(&logs[k * n / blocks..(k + 1) * n / blocks])).collect();
+    let center = mean(&logs);
+    let variance = units.iter().map(|u| (u - center).powi(2)).sum::<f64>() / (blocks - 1) as f64;
+    let half = t90(blocks - 1) * (variance / blocks as f64).sqrt();
+    Paired {
+        a: geometric_mean(&a),
+        b: geometric_mean(&b),
+        low: (center - half).exp(),
+        high: (center + half).exp(),
+        rounds: [a, b],
+    }
+}
+
+/// Student's t at 95% (one side), i.e. the half-width of a 90% interval in standard errors, for `df` degrees of
+/// freedom: the table's values up to 9, then the normal quantile with the Cornish-Fisher expansion's first two terms
+/// in 1/df (within 0.001 of the table from 10 on).
+fn t90(df: usize) -> f64 {
+    const TABLE: [f64; 9] = [6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833];
+    if let Some(&t) = df.checked_sub(1).and_then(|i| TABLE.get(i)) {
+        return t;
+    }
+    let (z, df) = (1.644_853_6_f64, df as f64);
+    z + (z.powi(3) + z) / (4.0 * df) + (5.0 * z.powi(5) + 16.0 * z.powi(3) + 3.0 * z) / (96.0 * df * df)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{paired_ratio, t90};
+
+    #[test]
+    fn t90_is_near_the_table() {
+        for (df, table) in [(3, 2.353), (5, 2.015), (10, 1.812), (15, 1.753), (39, 1.685), (99, 1.660)] {
+            assert!((t90(df) - table).abs() < 0.002, "t90({df}) = {} against {table}", t90(df));
+        }
+    }
+
+    #[test]
+    fn the_ratio_is_the_geometric_mean_of_the_pairs_and_its_interval_holds_it() {
+        // Ratios 0.5, 2 and 1: geometric mean 1, whatever the rates' own level.
+        let p = paired_ratio(vec![50.0, 400.0, 7.0], vec![100.0, 200.0, 7.0]);
+        assert!((p.a / p.b - 1.0).abs() < 1e-12, "{}", p.a / p.b);
+        assert!(p.low < 1.0 && p.high > 1.0 && (p.low * p.high - 1.0).abs() < 1e-12, "{} {}", p.low, p.high);
+        // The same ratio in every pair: no spread, whatever the rates do from pair to pair.
+        let p = paired_ratio(vec![90.0, 9.0, 900.0], vec![100.0, 10.0, 1000.0]);
+        assert!((p.a / p.b - 0.9).abs() < 1e-12 && (p.low - 0.9).abs() < 1e-12 && (p.high - 0.9).abs() < 1e-12);
+    }
+
+    #[test]
+    fn a_drift_within_the_run_widens_the_interval() {
+        // The first half of the pairs at 0.9, the second at 1.0, each pair ±2% around its half's ratio: pairs taken
+        // as independent would give about 0.94-0.96, excluding both halves' ratios.
+        let ratios: Vec<f64> =
+            (0..40).map(|i| if i < 20 { 0.9 } else { 1.0 } * if i % 2 == 0 { 1.02 } else { 0.98 }).collect();
+        let p = paired_ratio(ratios.iter().map(|r| r * 100.0).collect(), vec![100.0; 40]);
+        assert!(p.low < 0.92 && p.high > 0.98, "{} {}", p.low, p.high);
+    }
+
+    #[test]
+    fn more_pairs_narrow_the_interval() {
+        let pairs = |n: usize| {
+            let a: Vec<f64> = (0..n).map(|i| if i % 2 == 0 { 110.0 } else { 90.0 }).collect();
+            paired_ratio(a, vec![100.0; n])
+        };
+        let (few, many) = (pairs(4), pairs(40));
+        assert!(
+            many.high - many.low < (few.high - few.low) / 2.0,
+            "{} {} / {} {}",
+            few.low,
+            few.high,
+            many.low,
+            many.high
+        );
+    }
 }

@@ -42,7 +42,13 @@ pub fn describe(c: &mut Client, quick: bool, scale: &Scale) -> Machine {
                 .unwrap_or_else(unknown),
         ),
         ("mode", if quick { "quick (BENCH_QUICK=1)" } else { "full" }.into()),
-        ("rounds", format!("medians of {} alternating rounds, {} s per client-side run", scale.rounds, scale.run_secs)),
+        (
+            "rounds",
+            format!(
+                "medians of {} alternating rounds, {} s per client-side run; paired rows: {} pairs of {}-s runs",
+                scale.rounds, scale.run_secs, scale.pairs, scale.pair_secs
+            ),
+        ),
     ];
     if let Some(versions) = crate::citus::VERSIONS.get() {
         // Beside the main cluster's version, wherever that stands in the list.

@@ -67,6 +67,10 @@ pub struct Scale {
     pub growth_steps: Vec<i64>,
     /// Calls per callgrind run (the runs do this many, then twice as many).
     pub callgrind_calls: i64,
+    /// Pairs of runs, and seconds per run, of a paired row (`compare::paired`): two sides only, in short runs
+    /// back to back, for a ratio whose goal lies closer to it than a run of several sides can resolve.
+    pub pairs: usize,
+    pub pair_secs: u32,
 }
 
 /// What a row's A / B should be (or, for `Zero`, what A should be).
@@ -105,8 +109,11 @@ pub struct Row {
     pub wal: Option<[f64; 2]>,
     /// The server's CPU microseconds per id of A and B (client-side scenarios).
     pub cpu: Option<[f64; 2]>,
-    /// Each round's value of A and of B, in round order (client-side scenarios; A and B are their medians).
+    /// Each round's value of A and of B, in round order (client-side scenarios; A and B are their medians, or
+    /// their geometric means in a paired row).
     pub rounds: Option<[Vec<f64>; 2]>,
+    /// A paired row's 90% interval of A / B (`compare::paired`).
+    pub interval: Option<[f64; 2]>,
 }
 
 impl Row {
@@ -122,6 +129,7 @@ impl Row {
             wal: None,
             cpu: None,
             rounds: None,
+            interval: None,
         }
     }
 
@@ -139,6 +147,10 @@ impl Row {
 
     pub fn rounds(self, a: &[f64], b: &[f64]) -> Row {
         Row { rounds: Some([a.to_vec(), b.to_vec()]), ..self }
+    }
+
+    pub fn interval(self, low: f64, high: f64) -> Row {
+        Row { interval: Some([low, high]), ..self }
     }
 
     /// A / B; none when B is 0, or when the goal is A = 0 (WAL bytes of duplicates: a fraction of a byte of
@@ -244,6 +256,8 @@ fn main() {
             duplicate_ids: 20_000,
             growth_steps: vec![100_000, 1_000_000],
             callgrind_calls: 200,
+            pairs: 4,
+            pair_secs: 1,
         }
     } else {
         Scale {
@@ -268,6 +282,8 @@ fn main() {
             duplicate_ids: 100_000,
             growth_steps: vec![100_000, 1_000_000, 3_000_000, 10_000_000],
             callgrind_calls: 1000,
+            pairs: 40,
+            pair_secs: 3,
         }
     };
     // BENCH_ROUNDS=15: more alternating rounds than the mode's, for rows whose ratio moves more between runs than

@@ -18,6 +18,11 @@ fn ratio(r: &Row) -> String {
     r.ratio().map_or("n/a".into(), |x| format!("{x:.2}x"))
 }
 
+/// A paired row's 90% interval, after its ratio.
+fn interval(r: &Row) -> String {
+    r.interval.map_or(String::new(), |[low, high]| format!(" (90%: {low:.2}–{high:.2})"))
+}
+
 fn verdict(r: &Row) -> &'static str {
     match r.met() {
         Some(true) => "✓",
@@ -52,7 +57,7 @@ pub fn print(rows: &[Row], machine: &Machine) {
     println!("{:<68} {:>30} {:>30} {:>8} {:>7}", "scenario", "A", "B", "A / B", "goal");
     for r in rows {
         println!(
-            "{:<68} {:>30} {:>30} {:>8} {:>7} {:1}  {:<9} {}  {}",
+            "{:<68} {:>30} {:>30} {:>8} {:>7} {:1}  {:<9} {}  {}{}",
             r.scenario,
             value(&r.variant_a, r.a),
             value(&r.variant_b, r.b),
@@ -61,7 +66,8 @@ pub fn print(rows: &[Row], machine: &Machine) {
             verdict(r),
             r.unit,
             wal(r),
-            r.cpu.map_or(String::new(), |_| format!("server CPU {}", cpu(r)))
+            r.cpu.map_or(String::new(), |_| format!("server CPU {}", cpu(r))),
+            interval(r)
         );
     }
 }
@@ -98,7 +104,7 @@ fn json(rows: &[Row], curve: &[Point], machine: &Machine) -> String {
             format!(
                 "    {{\"scenario\": {}, \"a\": {}, \"a_value\": {}, \"b\": {}, \"b_value\": {}, \"unit\": {}, \"ratio\": {}, \
                  \"goal\": {}, \"goal_met\": {}, \"wal_bytes_per_id\": {}, \"server_cpu_us_per_id\": {}, \
-                 \"rounds\": {}}}",
+                 \"rounds\": {}, \"interval\": {}}}",
                 json_string(&r.scenario),
                 json_string(&r.variant_a),
                 json_number(Some(r.a)),
@@ -111,6 +117,7 @@ fn json(rows: &[Row], curve: &[Point], machine: &Machine) -> String {
                 r.wal.map_or("null".into(), |wal| json_numbers(&wal)),
                 r.cpu.map_or("null".into(), |cpu| json_numbers(&cpu)),
                 r.rounds.as_ref().map_or("null".into(), |[a, b]| format!("[{}, {}]", json_numbers(a), json_numbers(b))),
+                r.interval.map_or("null".into(), |interval| json_numbers(&interval)),
             )
         })
         .collect();
@@ -138,7 +145,8 @@ fn json(rows: &[Row], curve: &[Point], machine: &Machine) -> String {
 fn markdown(rows: &[Row], curve: &[Point], machine: &Machine) -> String {
     let cell = |s: &str| s.replace('|', "\\|");
     let mut md = String::from("# pg_dedup benchmark results\n\nWritten by `make bench`. Every row compares two variants measured alternately in the same run \
-        (A, B, B, A, …; more than two in an order that changes from round to round, each after each other equally often) on one throwaway cluster; figures are medians, and the ratio is what to compare across machines.\n\n");
+        (A, B, B, A, …; more than two in an order that changes from round to round, each after each other equally often) on one throwaway cluster; figures are medians, and the ratio is what to compare across machines. A paired row runs its two sides only, in short runs back to back, \
+        and gives geometric means, so that its ratio is the geometric mean of the pairs' ratios, followed by its 90% interval.\n\n");
     md.push_str("| machine | |\n|---|---|\n");
     for (k, v) in machine {
         md.push_str(&format!("| {k} | {} |\n", cell(v)));
@@ -149,11 +157,12 @@ fn markdown(rows: &[Row], curve: &[Point], machine: &Machine) -> String {
     );
     for r in rows {
         md.push_str(&format!(
-            "| {} | {} | {} | **{}** | {} | {} | {} | {} | {} |\n",
+            "| {} | {} | {} | **{}**{} | {} | {} | {} | {} | {} |\n",
             cell(&r.scenario),
             cell(&value(&r.variant_a, r.a)),
             cell(&value(&r.variant_b, r.b)),
             ratio(r),
+            interval(r),
             r.goal.map_or(String::new(), |g| g.label()),
             verdict(r),
             r.unit,
@@ -200,13 +209,21 @@ mod tests {
     use crate::Row;
 
     #[test]
-    fn json_gives_each_rounds_rates_when_the_row_has_them() {
-        let with =
-            Row::new("with", ("a", 2.0), ("b", 1.0), "tx/s").rounds(&[1.0, 2.0, 3.0], &[1.5, 1.0, 0.5]).wal(1.0, 2.5);
+    fn json_gives_each_rounds_rates_and_the_interval_when_the_row_has_them() {
+        let with = Row::new("with", ("a", 2.0), ("b", 1.0), "tx/s")
+            .rounds(&[1.0, 2.0, 3.0], &[1.5, 1.0, 0.5])
+            .wal(1.0, 2.5)
+            .interval(1.5, 2.5);
         let without = Row::new("without", ("a", 2.0), ("b", 1.0), "tx/s");
         let out = json(&[with, without], &[], &vec![("cpu", "x".to_owned())]);
         assert!(out.contains("\"wal_bytes_per_id\": [1.000, 2.500], "), "{out}");
-        assert!(out.contains("\"rounds\": [[1.000, 2.000, 3.000], [1.500, 1.000, 0.500]]}"), "{out}");
-        assert!(out.contains("\"scenario\": \"without\"") && out.contains("\"rounds\": null}"), "{out}");
+        assert!(
+            out.contains("\"rounds\": [[1.000, 2.000, 3.000], [1.500, 1.000, 0.500]], \"interval\": [1.500, 2.500]}"),
+            "{out}"
+        );
+        assert!(
+            out.contains("\"scenario\": \"without\"") && out.contains("\"rounds\": null, \"interval\": null}"),
+            "{out}"
+        );
     }
 }
