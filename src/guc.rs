@@ -237,24 +237,36 @@ pub fn scoped<R>(settings: &[(&CStr, &CStr)], f: impl FnOnce() -> R) -> R {
     // SAFETY: opens a GUC nesting level, closed below (or by the abort of the enclosing (sub)transaction).
     let level = unsafe { pg_sys::NewGUCNestLevel() };
     for (name, value) in settings {
-        // SAFETY: valid NUL-terminated strings; an invalid value raises a clean ERROR.
-        unsafe {
-            pg_sys::set_config_option(
-                name.as_ptr(),
-                value.as_ptr(),
-                pg_sys::GucContext::PGC_USERSET,
-                pg_sys::GucSource::PGC_S_SESSION,
-                pg_sys::GucAction::GUC_ACTION_SAVE,
-                true,
-                0,
-                false,
-            )
-        };
+        set(name, value, pg_sys::GucAction::GUC_ACTION_SAVE);
     }
     let result = f();
     // SAFETY: closes the level opened above; `false` rolls back what changed in it.
     unsafe { pg_sys::AtEOXact_GUC(false, level) };
     result
+}
+
+/// `SET LOCAL name = value`: for the rest of the current transaction, its commit included (which `scoped` does
+/// not reach: it has rolled its settings back by then).
+pub fn set_local(name: &CStr, value: &CStr) {
+    set(name, value, pg_sys::GucAction::GUC_ACTION_LOCAL);
+}
+
+/// Sets `name` as a session's `SET` would, `action` saying until when.
+fn set(name: &CStr, value: &CStr, action: pg_sys::GucAction::Type) {
+    // SAFETY: valid NUL-terminated strings; an invalid value raises a clean ERROR. The nesting level or the
+    // transaction that `action` names undoes it.
+    unsafe {
+        pg_sys::set_config_option(
+            name.as_ptr(),
+            value.as_ptr(),
+            pg_sys::GucContext::PGC_USERSET,
+            pg_sys::GucSource::PGC_S_SESSION,
+            action,
+            true,
+            0,
+            false,
+        )
+    };
 }
 
 /// `scoped` with one setting.
