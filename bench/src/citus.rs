@@ -181,27 +181,18 @@ pub fn scenarios(scale: &Scale) -> Vec<Row> {
         };
         // The goal's row: the two sides alone, paired. Among eleven sides, one side's runs lie a minute apart and
         // its medians of five rounds spread by ±10%, around a ratio a few points from its goal.
-        let pairs = Setting { secs: scale.pair_secs, rounds: scale.pairs, ..setting };
         let p = paired(
             &mut c,
             &pgbench,
-            &pairs,
+            &setting.paired(scale),
             Side::Sql { script: ours_tx.clone(), ids: 1 },
             Side::Sql { script: hand_tx.clone(), ids: 1 },
         );
+        let scenario =
+            "mark() on a distributed inbox vs INSERT ... ON CONFLICT through Citus, in a transaction, paired";
         rows.push(
-            Row::new(
-                &format!(
-                    "Citus: mark() on a distributed inbox vs INSERT ... ON CONFLICT through Citus, in a transaction, \
-                     paired, {at}"
-                ),
-                ("mark, distributed", p.a),
-                ("hand-written", p.b),
-                "ids/s",
-            )
-            .rounds(&p.rounds[0], &p.rounds[1])
-            .interval(p.low, p.high)
-            .goal(Goal::AtLeast(0.95)),
+            p.row(&format!("Citus: {scenario}, {at}"), "mark, distributed", "hand-written", "ids/s")
+                .goal(Goal::AtLeast(0.95)),
         );
         // The rows against the hand-written INSERT in a transaction, all measured in the same rounds.
         let in_tx_row = |scenario: &str, side: (&str, usize)| {

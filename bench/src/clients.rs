@@ -3,9 +3,11 @@
 //! synchronous_commit, alternating; new ids also against the two-column table an expert writes, on long-lived
 //! connections and with a connection per transaction. Around them: the ceiling (a transaction doing nothing but `SELECT 1`), the
 //! disk's flush rate (pg_test_fsync) and Redis `SET NX EX` at matching durability. And the one-client rows again
-//! with pgbench and the server on one CPU (`crate::pin`), without this machine's cross-CPU wake-ups.
+//! with pgbench and the server on one CPU (`crate::pin`), without this machine's cross-CPU wake-ups. The goals of a
+//! new id and of a duplicate are judged on paired rows (`compare::paired`): the two sides alone, short runs back to
+//! back.
 
-use crate::compare::{compare, Measured, Setting, Side};
+use crate::compare::{compare, paired, Measured, Setting, Side};
 use crate::pgbench::{Commit, Pgbench};
 use crate::redis::{Durability, Redis};
 use crate::{Goal, Row, Scale};
@@ -104,6 +106,15 @@ impl Bench<'_> {
         }
     }
 
+    /// The row of a goal that lies within a few percent of its ratio, where medians of five rounds of several sides
+    /// land anywhere within about ±10%: mark against raw insert, `ours` against `hand` alone, paired
+    /// (`compare::paired`), at `clients`, sync off.
+    fn paired_row(&mut self, what: &str, clients: u32, ours: Side, hand: Side) -> Row {
+        let setting = self.setting(clients, Commit::Async);
+        let p = paired(self.c, self.pgbench, &setting.paired(self.scale), ours, hand);
+        p.row(&format!("{what}, paired, {}", setting.label()), "mark", "raw insert", "tx/s")
+    }
+
     /// A side running one id per transaction, `statement` with `duplicates`% duplicate ids.
     fn one_id(&self, name: &str, statement: &dyn Fn(&str) -> String, duplicates: u32) -> Side<'static> {
         let text = one_id_script(statement, duplicates, self.scale.duplicate_ids);
@@ -194,12 +205,11 @@ fn single_marks(b: &mut Bench, cluster_dir: &Path, redis: Option<&[Redis; 2]>) -
             let setting = b.setting(clients, commit);
             let m = compare(b.c, b.pgbench, &setting, &sides);
             let at = setting.label();
-            let mut single =
-                row(format!("mark() of a new id per tx, {at}"), ("mark", &m[0]), ("raw insert", &m[1]), "tx/s");
+            rows.push(row(format!("mark() of a new id per tx, {at}"), ("mark", &m[0]), ("raw insert", &m[1]), "tx/s"));
             if commit == Commit::Async && SINGLE_GOAL_CLIENTS.contains(&clients) {
-                single = single.goal(SINGLE_GOAL);
+                let (ours, hand) = (b.one_id("mark_new", &mark, 0), b.one_id("raw_new", &raw, 0));
+                rows.push(b.paired_row("mark() of a new id per tx", clients, ours, hand).goal(SINGLE_GOAL));
             }
-            rows.push(single);
             if ceiling {
                 rows.push(row(
                     format!("ceiling: SELECT 1 per tx vs raw insert, {at}"),
@@ -256,17 +266,21 @@ fn duplicates(b: &mut Bench) -> (Vec<Row>, Option<Row>) {
         let m = compare(b.c, b.pgbench, &setting, &sides);
         let at = setting.label();
         for (pair, &pct) in m.chunks(2).zip(shares) {
-            let mut duplicates =
-                row(format!("mark(), {pct}% duplicates, {at}"), ("mark", &pair[0]), ("raw insert", &pair[1]), "tx/s");
-            if pct == 100 && SINGLE_GOAL_CLIENTS.contains(&clients) {
-                duplicates = duplicates.goal(DUPLICATE_GOAL);
-            }
-            rows.push(duplicates);
+            rows.push(row(
+                format!("mark(), {pct}% duplicates, {at}"),
+                ("mark", &pair[0]),
+                ("raw insert", &pair[1]),
+                "tx/s",
+            ));
             if pct == 100 && wal.is_none() {
                 let (a, b) = (pair[0].wal_per_id.unwrap(), pair[1].wal_per_id.unwrap());
                 wal = Some(Row::new("WAL per duplicate", ("mark", a), ("raw insert", b), "B/id").goal(Goal::Zero));
             }
         }
+    }
+    for &clients in b.scale.clients_duplicates.iter().filter(|c| SINGLE_GOAL_CLIENTS.contains(c)) {
+        let (ours, hand) = (b.one_id("mark_dup100", &mark, 100), b.one_id("raw_dup100", &raw, 100));
+        rows.push(b.paired_row("mark(), 100% duplicates", clients, ours, hand).goal(DUPLICATE_GOAL));
     }
     (rows, wal)
 }

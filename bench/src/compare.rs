@@ -5,7 +5,7 @@
 
 use crate::pgbench::{Commit, Pgbench};
 use crate::redis::Redis;
-use crate::{alternate_samples, median, verbose};
+use crate::{alternate_samples, median, verbose, Row, Scale};
 use pg_dedup_harness::postgres::Client;
 use std::path::PathBuf;
 
@@ -36,6 +36,11 @@ pub struct Setting {
 }
 
 impl Setting {
+    /// The same setting for a paired comparison: the scale's pairs of short runs instead of its rounds.
+    pub fn paired(&self, scale: &Scale) -> Setting {
+        Setting { secs: scale.pair_secs, rounds: scale.pairs, ..*self }
+    }
+
     /// "1 client, sync off", as rows name it (", a connection per tx" when each transaction connects, ", client
     /// and server on one CPU" when pinned).
     pub fn label(&self) -> String {
@@ -143,6 +148,15 @@ pub struct Paired {
     pub high: f64,
     /// Each pair's rates of A and of B, in order.
     pub rounds: [Vec<f64>; 2],
+}
+
+impl Paired {
+    /// The row of A against B: the geometric means, each pair's rates and the interval.
+    pub fn row(&self, scenario: &str, a_label: &str, b_label: &str, unit: &'static str) -> Row {
+        Row::new(scenario, (a_label, self.a), (b_label, self.b), unit)
+            .rounds(&self.rounds[0], &self.rounds[1])
+            .interval(self.low, self.high)
+    }
 }
 
 /// Runs `a` and `b` in pairs of short runs back to back, A B, B A, A B, ... (`setting.rounds` pairs of
