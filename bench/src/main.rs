@@ -307,8 +307,9 @@ fn main() {
         // figures come from the cycle itself; only the wait for it shrinks).
         "dedup.purge_interval = '1s'",
         // Room for every key the run adds, so no filter rotation competes with a timed scenario: a full run marks
-        // about 35 million ids (the growth scenario's 10 million fill, batches of 1,000 at 200k+ ids/s; the
-        // steady-state purge's clients about 4 million, deleted between rounds but not from the filter). 130 MB.
+        // about 44 million ids (the growth scenario's 10 million fill, batches of 1,000 at 200k+ ids/s; the paired
+        // rows of new ids about 9 million; the steady-state purge's clients about 4 million, deleted between rounds
+        // but not from the filter). 130 MB.
         "dedup.bloom_capacity = 50000000",
         "shared_buffers = '512MB'",
         // attempt() of new ids at pgbench speed: up to ~50k ids per flush interval (1 s) wait in shared memory for
