@@ -42,12 +42,18 @@ pub enum HeldRows {
     Skip,
 }
 
-/// Deletes up to `limit` marks of `inbox` that expired before `now` straight from the heap, and counts them; None
-/// when the table needs SQL (`purge_batch`). With `paced`, the batch offers the CPU to other processes as it goes
-/// (`direct::delete_expired`).
-fn purge_directly(inbox: &Inbox, now: TimestampWithTimeZone, limit: i64, paced: bool) -> Option<i64> {
-    let deleted = direct::delete_expired(inbox, now, limit, paced)?;
-    inbox.count(Counter::Purged, deleted as u64);
+/// Deletes up to `limit` marks of `inbox` that expired before `now` (not before `from`, when given) straight from the
+/// heap, and counts them; None when the table needs SQL (`purge_batch`). With `paced`, the batch offers the CPU to
+/// other processes as it goes (`direct::delete_expired`).
+fn purge_directly(
+    inbox: &Inbox,
+    now: TimestampWithTimeZone,
+    from: Option<pg_sys::TimestampTz>,
+    limit: i64,
+    paced: bool,
+) -> Option<direct::Deleted> {
+    let deleted = direct::delete_expired(inbox, now, from, limit, paced)?;
+    inbox.count(Counter::Purged, deleted.rows as u64);
     Some(deleted)
 }
 
@@ -87,7 +93,8 @@ pub fn purge_inbox(inbox: &Inbox, limit: Option<i64>) -> i64 {
     // Directly in one walk of the expires_at btree, not batch after batch: rows this transaction deleted keep their
     // index entries until it ends (no scan may skip them before), so each batch's walk would step again over the
     // entries of every batch before it; 500,000 expired marks took 13.25 M entries read and 5x the time.
-    let mut deleted = purge_directly(inbox, now, limit.unwrap_or(i64::MAX), false).unwrap_or_else(|| {
+    let direct = purge_directly(inbox, now, None, limit.unwrap_or(i64::MAX), false);
+    let mut deleted = direct.map(|d| d.rows).unwrap_or_else(|| {
         let mut skipping = false;
         // Citus sends a distributed batch's ids to every shard: its size stays until larger ones are measured.
         let largest = if inbox.shape().distributed { BATCH_SIZE } else { LARGEST_BATCH };
@@ -155,6 +162,8 @@ pub fn purge_cycle(slot: &WorkerSlot, go_on: impl Fn(Duration) -> bool) {
         };
         let marks_here = !in_transaction("looking at an inbox", elsewhere).unwrap_or(true);
         if marks_here {
+            // Where the cycle's last direct batch stopped in the expires_at btree: the next one starts there.
+            let mut from = None;
             let capped = loop {
                 if !go_on(std::mem::take(&mut pause)) {
                     return;
@@ -172,9 +181,14 @@ pub fn purge_cycle(slot: &WorkerSlot, go_on: impl Fn(Duration) -> bool) {
                         worker_batch(|| {
                             let inbox = inbox::open(name, Access::Delete);
                             let now = statement_now();
-                            purge_directly(&inbox, now, limit, paced).unwrap_or_else(|| {
-                                rights::as_table_owner(inbox.relid, || purge_batch(&inbox, now, limit, held))
-                            })
+                            purge_directly(&inbox, now, from, limit, paced).map(|d| (d.rows, d.reached)).unwrap_or_else(
+                                || {
+                                    (
+                                        rights::as_table_owner(inbox.relid, || purge_batch(&inbox, now, limit, held)),
+                                        None,
+                                    )
+                                },
+                            )
                         })
                     }
                 };
@@ -192,7 +206,8 @@ pub fn purge_cycle(slot: &WorkerSlot, go_on: impl Fn(Duration) -> bool) {
                         None
                     }
                 };
-                let Some(deleted) = deleted else { break false };
+                let Some((deleted, reached)) = deleted else { break false };
+                from = reached;
                 total += deleted;
                 if deleted < limit {
                     break false;
@@ -390,10 +405,37 @@ mod tests {
         run("UPDATE dedup.inbox_direct SET expires_at = now() + interval '1 hour' WHERE id = 'e1'");
         let inbox = crate::inbox::open("direct", crate::inbox::Access::Delete);
         let now = crate::clock::statement_now();
-        assert_eq!(crate::direct::delete_expired(&inbox, now, 3, false), Some(3));
-        assert_eq!(crate::direct::delete_expired(&inbox, now, 10, true), Some(1), "the renewed mark is live");
+        let rows = |limit, paced| crate::direct::delete_expired(&inbox, now, None, limit, paced).map(|d| d.rows);
+        assert_eq!(rows(3, false), Some(3));
+        assert_eq!(rows(10, true), Some(1), "the renewed mark is live");
         assert_eq!(count("dedup.inbox_direct"), 4);
         assert_eq!(one::<i64>("SELECT count(*) FROM dedup.inbox_direct WHERE expires_at <= now()"), 0);
+    }
+
+    #[pg_test]
+    fn purge_directly_from_where_a_batch_stopped_leaves_what_expired_before_it_to_the_next_cycle() {
+        run("SELECT dedup.create_inbox('resume')");
+        let expired = |id: &str, seconds: i64| {
+            run(&format!(
+                "INSERT INTO dedup.inbox_resume VALUES ('{id}', now() - interval '1 hour' + {seconds} * interval '1 second')"
+            ))
+        };
+        for (id, seconds) in [("e1", 1), ("e2", 2), ("e3", 3), ("e4", 4)] {
+            expired(id, seconds);
+        }
+        let inbox = crate::inbox::open("resume", crate::inbox::Access::Delete);
+        let now = crate::clock::statement_now();
+        let first = crate::direct::delete_expired(&inbox, now, None, 2, false).unwrap();
+        assert_eq!(first.rows, 2);
+        assert!(first.reached.is_some(), "it says where it stopped");
+        // Committed since, say: one expired before where the batch stopped, one at the very same expiry.
+        expired("early", 0);
+        expired("e2-twin", 2);
+        let next = crate::direct::delete_expired(&inbox, now, first.reached, 10, false).unwrap();
+        assert_eq!(next.rows, 3, "e2-twin, e3 and e4");
+        assert_eq!(one::<String>("SELECT string_agg(id, ',') FROM dedup.inbox_resume"), "early");
+        let cycle_after = crate::direct::delete_expired(&inbox, now, None, 10, false).unwrap();
+        assert_eq!(cycle_after.rows, 1, "the next cycle, from the start, gets it");
     }
 
     #[pg_test]
@@ -404,13 +446,13 @@ mod tests {
                  $$ BEGIN INSERT INTO purge_seen VALUES (OLD.id); RETURN OLD; END $$;
              CREATE TRIGGER note BEFORE DELETE ON dedup.inbox_owned_code FOR EACH ROW EXECUTE FUNCTION purge_note()");
         let inbox = crate::inbox::open("owned_code", crate::inbox::Access::Delete);
-        assert!(crate::direct::delete_expired(&inbox, crate::clock::statement_now(), 10, false).is_none());
+        assert!(crate::direct::delete_expired(&inbox, crate::clock::statement_now(), None, 10, false).is_none());
         assert_eq!(one::<i64>("SELECT dedup.purge('owned_code')"), 4);
         assert_eq!(count("purge_seen"), 4, "the owner's trigger saw every delete");
         expired_inbox("unindexed_purge", 3, 1);
         run("DROP INDEX dedup.inbox_unindexed_purge_expires_at_idx");
         let inbox = crate::inbox::open("unindexed_purge", crate::inbox::Access::Delete);
-        assert!(crate::direct::delete_expired(&inbox, crate::clock::statement_now(), 10, false).is_none());
+        assert!(crate::direct::delete_expired(&inbox, crate::clock::statement_now(), None, 10, false).is_none());
         assert_eq!(one::<i64>("SELECT dedup.purge('unindexed_purge')"), 3);
     }
 

@@ -78,6 +78,44 @@ fn expired_marks_disappear_within_a_few_cycles_and_live_ones_stay() {
     });
 }
 
+/// Each batch of a cycle starts in the `expires_at` btree where the one before it stopped: starting at the first
+/// entry, it would read again the entries of the rows the batch before it deleted (they stay until a vacuum), each a
+/// visit to the heap, and a cycle in batches of 100 would read about twice as many entries as it deletes rows.
+#[test]
+fn a_purge_cycle_reads_each_expired_entry_about_once() {
+    // One cycle only, once purging is turned on: the next would read the entries of the rows this one deleted.
+    let cluster =
+        purging("purge_walk", &["dedup.purge_batch_size = 100", "dedup.purge = off", "dedup.purge_interval = '1h'"]);
+    let mut c = cluster.fresh_db("purge_walk");
+    let read = |c: &mut Client| -> i64 {
+        c.query_one(
+            "SELECT idx_tup_read FROM pg_stat_user_indexes WHERE indexrelid = 'dedup.inbox_default_expires_at_idx'::regclass",
+            &[],
+        )
+        .unwrap()
+        .get(0)
+    };
+    // Each its own expiry, as marks made one by one.
+    c.batch_execute(
+        "INSERT INTO dedup.inbox_default
+             SELECT 'e' || g, now() - interval '1 hour' + g * interval '1 ms' FROM generate_series(1, 5000) g",
+    )
+    .unwrap();
+    let before = read(&mut c);
+    c.batch_execute("ALTER SYSTEM SET dedup.purge = on").unwrap();
+    c.batch_execute("SELECT pg_reload_conf()").unwrap();
+    // Not count(*): a scan of the table may read the same btree.
+    eventually("the expired marks are purged and the reads counted", || {
+        let purged: i64 = c.query_one("SELECT purged FROM dedup.stats WHERE inbox = 'default'", &[]).unwrap().get(0);
+        purged == 5000 && read(&mut c) - before >= 5000
+    });
+    // The worker reports its statistics after a cycle, at most once a second.
+    thread::sleep(Duration::from_millis(1500));
+    let entries = read(&mut c) - before;
+    // 5,000, the entry each batch stopped at read again by the next (49), and the last batch's look past the end.
+    assert!(entries <= 5500, "{entries} index entries read to purge 5,000 marks in batches of 100");
+}
+
 #[test]
 fn a_mark_renewing_an_expired_id_wins_against_a_purge() {
     // dedup.purge() runs the worker's batch statement; two orders of the race, each forced with row locks.

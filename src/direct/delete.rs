@@ -18,19 +18,25 @@ use pgrx::PgMemoryContexts;
 /// is a burst of several milliseconds, and the scheduler lets a running process finish its time slice before a
 /// waking one gets the core: the marks queued behind the burst make mark()'s tail latency. Offering the core this
 /// often bounds that wait to a sub-batch; it costs nothing when no one else wants the CPU, and slows the purge down
-/// when someone does. Entries count, not deleted rows: a batch first walks past the entries of the rows the
-/// worker's previous batch deleted (they stay in the btree until a vacuum), thousands of them, each a visit to the
-/// heap and none a deletion: a run of 1.67 ms without an offer in one trace when only deletions counted
-/// (bench/results/profiles/issue-23.md, stop 47).
+/// when someone does. Entries count, not deleted rows: a batch may walk past entries of rows deleted before it (they
+/// stay in the btree until a vacuum), each a visit to the heap and none a deletion: a run of 1.67 ms without an offer
+/// in one trace when only deletions counted (bench/results/profiles/issue-23.md, stop 47).
 const YIELD_EVERY: i64 = 256;
 
 /// The btree on `expires_at` of `rel` that a scan for `expires_at <= now` may walk (one key column, the second
-/// column of the row type, in the default operator family of timestamptz, valid, no predicate, no expression), and
-/// the function of that family's `<=` for the scan key; None if an owner dropped or replaced it.
+/// column of the row type, in the default operator family of timestamptz, valid, no predicate, no expression).
+struct ExpiryIndex {
+    oid: pg_sys::Oid,
+    /// The functions of that family's `<=` and `>=`, for the scan's keys.
+    at_most: pg_sys::Oid,
+    at_least: pg_sys::Oid,
+}
+
+/// `rel`'s `ExpiryIndex`; None if an owner dropped or replaced it.
 ///
 /// # Safety
 /// `rel` must be an open inbox table, locked by this transaction.
-unsafe fn expiry_index(rel: pg_sys::Relation) -> Option<(pg_sys::Oid, pg_sys::Oid)> {
+unsafe fn expiry_index(rel: pg_sys::Relation) -> Option<ExpiryIndex> {
     // SAFETY: the caller vouches for the relation; each index is opened, its relcache entry only read, and closed;
     // the list is the relcache's copy, ours to free.
     unsafe {
@@ -59,21 +65,55 @@ unsafe fn expiry_index(rel: pg_sys::Relation) -> Option<(pg_sys::Oid, pg_sys::Oi
             }
         }
         pg_sys::list_free(list);
-        let at_most = pg_sys::get_opfamily_member(
-            family,
-            pg_sys::TIMESTAMPTZOID,
-            pg_sys::TIMESTAMPTZOID,
-            pg_sys::BTLessEqualStrategyNumber as i16,
-        );
-        (found != pg_sys::InvalidOid && at_most != pg_sys::InvalidOid).then(|| (found, pg_sys::get_opcode(at_most)))
+        let operator = |strategy: u32| {
+            let member =
+                pg_sys::get_opfamily_member(family, pg_sys::TIMESTAMPTZOID, pg_sys::TIMESTAMPTZOID, strategy as i16);
+            if member == pg_sys::InvalidOid {
+                pg_sys::InvalidOid
+            } else {
+                pg_sys::get_opcode(member)
+            }
+        };
+        let (at_most, at_least) =
+            (operator(pg_sys::BTLessEqualStrategyNumber), operator(pg_sys::BTGreaterEqualStrategyNumber));
+        [found, at_most, at_least].iter().all(|&oid| oid != pg_sys::InvalidOid).then_some(ExpiryIndex {
+            oid: found,
+            at_most,
+            at_least,
+        })
     }
 }
 
-/// Deletes up to `limit` rows of `inbox` that expired at or before `now`, in `expires_at` order, passing over rows
-/// other transactions hold, and offering the CPU to other processes every `YIELD_EVERY` index entries if
-/// `yield_cpu`; returns how many it deleted, or None when the table needs the executor (its shape is not `plain`) or
+/// What one call of `delete_expired` did.
+pub struct Deleted {
+    /// The rows it deleted.
+    pub rows: i64,
+    /// The `expires_at` of the last row it read from the heap (deleted or passed over), if any: where the next batch
+    /// of the same purge may start (`from`).
+    pub reached: Option<pg_sys::TimestampTz>,
+}
+
+/// Deletes up to `limit` rows of `inbox` that expired at or before `now` (and, with `from`, not before it), in
+/// `expires_at` order, passing over rows other transactions hold, and offering the CPU to other processes every
+/// `YIELD_EVERY` index entries if `yield_cpu`; None when the table needs the executor (its shape is not `plain`) or
 /// has no usable `expires_at` btree: then the caller runs the SQL purge instead.
-pub fn delete_expired(inbox: &Inbox, now: TimestampWithTimeZone, limit: i64, yield_cpu: bool) -> Option<i64> {
+///
+/// `from` is for a purge made of batches in transactions of their own, each starting where the one before it stopped
+/// (its `reached`). Without it each batch's walk would start at the btree's first entry and step again past the
+/// entries of the rows the batches before it deleted: their entries stay until a vacuum, and the first walk to meet
+/// each one again fetches its row from the heap (to learn it is gone and mark the entry dead). Batches of 1,000 read
+/// each deleted row twice that way (bench/results/profiles/issue-23.md, stop 58). The entries whose expiry is `from`
+/// itself are walked again: all the marks one statement wrote share their expiry, so a batch that stopped among
+/// them starts again at their first. Rows that expired before `from`
+/// and are still there (held by another transaction when passed over, or committed since with an expiry already past)
+/// wait for the next purge that starts without it.
+pub fn delete_expired(
+    inbox: &Inbox,
+    now: TimestampWithTimeZone,
+    from: Option<pg_sys::TimestampTz>,
+    limit: i64,
+    yield_cpu: bool,
+) -> Option<Deleted> {
     if !inbox.shape().plain {
         return None;
     }
@@ -84,32 +124,43 @@ pub fn delete_expired(inbox: &Inbox, now: TimestampWithTimeZone, limit: i64, yie
     unsafe {
         scratch.switch_to(|_| {
             let rel = pg_sys::table_open(inbox.relid, pg_sys::NoLock as pg_sys::LOCKMODE);
-            let Some((index_oid, at_most)) = expiry_index(rel) else {
+            let Some(expiry) = expiry_index(rel) else {
                 pg_sys::table_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
                 return None;
             };
             // What the executor checks before a DELETE: a table published for deletes must say how its rows are
             // identified (an inbox has its primary key, unless an owner changed its replica identity).
             pg_sys::CheckCmdReplicaIdentity(rel, pg_sys::CmdType::CMD_DELETE);
-            let index = pg_sys::index_open(index_oid, pg_sys::AccessShareLock as pg_sys::LOCKMODE);
+            let index = pg_sys::index_open(expiry.oid, pg_sys::AccessShareLock as pg_sys::LOCKMODE);
             // As SPI does before a statement: this transaction's changes so far become visible, and a snapshot is
             // taken (a fresh one under READ COMMITTED).
             pg_sys::CommandCounterIncrement();
             let snapshot = pg_sys::RegisterSnapshot(pg_sys::GetTransactionSnapshot());
             let cid = pg_sys::GetCurrentCommandId(true);
-            let scan = ports::index_beginscan(rel, index, snapshot, 1);
             let now_datum = now.into_datum().expect("a timestamp is a datum");
-            let mut key = pg_sys::ScanKeyData::default();
+            let mut keys = [pg_sys::ScanKeyData::default(), pg_sys::ScanKeyData::default()];
             pg_sys::ScanKeyInit(
-                &mut key,
+                &mut keys[0],
                 1,
                 pg_sys::BTLessEqualStrategyNumber as pg_sys::StrategyNumber,
-                at_most,
+                expiry.at_most,
                 now_datum,
             );
-            pg_sys::index_rescan(scan, &mut key, 1, std::ptr::null_mut(), 0);
+            if let Some(from) = from {
+                pg_sys::ScanKeyInit(
+                    &mut keys[1],
+                    1,
+                    pg_sys::BTGreaterEqualStrategyNumber as pg_sys::StrategyNumber,
+                    expiry.at_least,
+                    pg_sys::Datum::from(from),
+                );
+            }
+            let nkeys = if from.is_some() { 2 } else { 1 };
+            let scan = ports::index_beginscan(rel, index, snapshot, nkeys);
+            pg_sys::index_rescan(scan, keys.as_mut_ptr(), nkeys, std::ptr::null_mut(), 0);
             let slot = pg_sys::table_slot_create(rel, std::ptr::null_mut());
             let mut deleted = 0;
+            let mut reached = None;
             let mut walked: i64 = 0;
             while deleted < limit {
                 // index_getnext_slot(), taken apart to count the entries walked, those of rows gone included.
@@ -135,6 +186,7 @@ pub fn delete_expired(inbox: &Inbox, now: TimestampWithTimeZone, limit: i64, yie
                 if null || expires_at.value() as i64 > now_datum.value() as i64 {
                     continue;
                 }
+                reached = Some(expires_at.value() as pg_sys::TimestampTz);
                 let mut tid = (*slot).tts_tid;
                 let mut failure = pg_sys::TM_FailureData::default();
                 let outcome = pg_sys::table_tuple_delete(
@@ -161,7 +213,7 @@ pub fn delete_expired(inbox: &Inbox, now: TimestampWithTimeZone, limit: i64, yie
                 // Later statements of the transaction must not see the rows, as after any SQL delete.
                 pg_sys::CommandCounterIncrement();
             }
-            Some(deleted)
+            Some(Deleted { rows: deleted, reached })
         })
     }
 }
