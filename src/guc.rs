@@ -178,6 +178,11 @@ pub fn init() {
     );
 }
 
+/// The time between the start of two purge cycles (`dedup.purge_interval`), never less than a second.
+pub fn purge_interval() -> std::time::Duration {
+    std::time::Duration::from_secs(PURGE_INTERVAL.get().max(1) as u64)
+}
+
 /// The databases named in `dedup.database` (a comma-separated list), each once.
 pub fn worker_databases() -> Vec<String> {
     let list = DATABASE.get().and_then(|s| s.into_string().ok()).unwrap_or_default();

@@ -162,8 +162,12 @@ pub fn purge_cycle(slot: &WorkerSlot, go_on: impl Fn(Duration) -> bool) {
         };
         let marks_here = !in_transaction("looking at an inbox", elsewhere).unwrap_or(true);
         if marks_here {
-            // Where the cycle's last direct batch stopped in the expires_at btree: the next one starts there.
+            // Where the last direct batch stopped in the expires_at btree: the next one starts there, and at the first
+            // entry again once a purge interval has passed since the walk last did, so that what a walk leaves behind
+            // (a row held when it passed, one committed since with an expiry already past) waits no longer than for
+            // the next cycle, even in a cycle that does not end because expired marks come as fast as it purges.
             let mut from = None;
+            let mut walk_started = Instant::now();
             let capped = loop {
                 if !go_on(std::mem::take(&mut pause)) {
                     return;
@@ -176,19 +180,22 @@ pub fn purge_cycle(slot: &WorkerSlot, go_on: impl Fn(Duration) -> bool) {
                 // through SQL, as the table's owner. A worker told to leave room for foreground work between its
                 // batches (`dedup.purge_batch_delay`) leaves some within them too.
                 let paced = guc::PURGE_BATCH_DELAY.get() > 0;
+                if walk_started.elapsed() >= guc::purge_interval() {
+                    (from, walk_started) = (None, Instant::now());
+                }
                 let batch = |held| {
                     move || {
                         worker_batch(|| {
                             let inbox = inbox::open(name, Access::Delete);
                             let now = statement_now();
-                            purge_directly(&inbox, now, from, limit, paced).map(|d| (d.rows, d.reached)).unwrap_or_else(
-                                || {
-                                    (
-                                        rights::as_table_owner(inbox.relid, || purge_batch(&inbox, now, limit, held)),
-                                        None,
-                                    )
-                                },
-                            )
+                            match purge_directly(&inbox, now, from, limit, paced) {
+                                Some(deleted) => (deleted.rows, deleted.reached),
+                                None => {
+                                    let deleted =
+                                        rights::as_table_owner(inbox.relid, || purge_batch(&inbox, now, limit, held));
+                                    (deleted, None)
+                                }
+                            }
                         })
                     }
                 };

@@ -291,7 +291,7 @@ pub extern "C-unwind" fn pg_dedup_worker_main(arg: pg_sys::Datum) {
             // after a CREATE EXTENSION that came in between is newer, and a DROP since would be seen by this check).
             (false, Some(since)) => attempts::drop_database_counts(since),
         }
-        let interval = Duration::from_secs(guc::PURGE_INTERVAL.get().max(1) as u64);
+        let interval = guc::purge_interval();
         if installed {
             in_transaction("repairing filter triggers", rebuild::repair_triggers);
             in_transaction("looking after the Bloom filter", rebuild::look_after_filter);
