@@ -19,7 +19,15 @@ fn command(program: &str, args: &[&str]) -> Option<String> {
     Some(String::from_utf8_lossy(&out.stdout).trim().to_owned())
 }
 
-pub fn describe(c: &mut Client, quick: bool, scale: &Scale) -> Machine {
+/// The checkout the extension and the bench were built from (`--dirty` if it has changes). Read before the first
+/// section: a commit made while a run lasts (an hour) is not what it measured.
+pub fn commit() -> String {
+    command("git", &["-C", env!("CARGO_MANIFEST_DIR"), "describe", "--always", "--dirty"])
+        .unwrap_or_else(|| "unknown".to_owned())
+}
+
+/// The machine and the run; `commit` as `commit()` read it when the run began.
+pub fn describe(c: &mut Client, quick: bool, scale: &Scale, commit: String) -> Machine {
     let unknown = || "unknown".to_owned();
     let memory = first_line_with("/proc/meminfo", "MemTotal")
         .and_then(|kb| kb.trim_end_matches("kB").trim().parse::<f64>().ok())
@@ -36,11 +44,7 @@ pub fn describe(c: &mut Client, quick: bool, scale: &Scale) -> Machine {
         ("redis", crate::redis::version().unwrap_or_else(|| "not installed".into())),
         ("date", command("date", &["-u", "+%Y-%m-%dT%H:%M:%SZ"]).unwrap_or_else(unknown)),
         // The code measured: the checkout make bench built and installed the extension from.
-        (
-            "commit",
-            command("git", &["-C", env!("CARGO_MANIFEST_DIR"), "describe", "--always", "--dirty"])
-                .unwrap_or_else(unknown),
-        ),
+        ("commit", commit),
         ("mode", if quick { "quick (BENCH_QUICK=1)" } else { "full" }.into()),
         (
             "rounds",

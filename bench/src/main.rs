@@ -321,6 +321,7 @@ fn main() {
         "max_wal_size = '4GB'",
         "checkpoint_timeout = '30min'",
     ]);
+    let commit = machine::commit();
     let mut c = cluster.fresh_db("bench");
     let pgbench = pgbench::Pgbench::new(&cluster, "bench");
     let mut rows = Vec::new();
@@ -347,7 +348,7 @@ fn main() {
         rows
     });
 
-    let machine = machine::describe(&mut c, quick, &scale);
+    let machine = machine::describe(&mut c, quick, &scale, commit);
     report::print(&rows, &machine);
     let mut dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("results");
     if let Some(only) = &only {
