@@ -78,6 +78,17 @@ fn expired_marks_disappear_within_a_few_cycles_and_live_ones_stay() {
     });
 }
 
+/// Turns purging on for a server started with `dedup.purge = off`: its worker starts a cycle at once.
+fn turn_purging_on(c: &mut Client) {
+    c.batch_execute("ALTER SYSTEM SET dedup.purge = on").unwrap();
+    c.batch_execute("SELECT pg_reload_conf()").unwrap();
+}
+
+/// The marks of the default inbox the worker has purged (`dedup.stats`, counted as each batch goes).
+fn purged(c: &mut Client) -> i64 {
+    c.query_one("SELECT purged FROM dedup.stats WHERE inbox = 'default'", &[]).unwrap().get(0)
+}
+
 /// Each batch of a cycle starts in the `expires_at` btree where the one before it stopped: starting at the first
 /// entry, it would read again the entries of the rows the batches before it deleted (they stay until a vacuum, each
 /// read again until a walk marks it dead), and this cycle read 57,935 entries to delete 5,000 rows that way.
@@ -102,12 +113,10 @@ fn a_purge_cycle_reads_each_expired_entry_about_once() {
     )
     .unwrap();
     let before = read(&mut c);
-    c.batch_execute("ALTER SYSTEM SET dedup.purge = on").unwrap();
-    c.batch_execute("SELECT pg_reload_conf()").unwrap();
+    turn_purging_on(&mut c);
     // Not count(*): a scan of the table may read the same btree.
     eventually("the expired marks are purged and the reads counted", || {
-        let purged: i64 = c.query_one("SELECT purged FROM dedup.stats WHERE inbox = 'default'", &[]).unwrap().get(0);
-        purged == 5000 && read(&mut c) - before >= 5000
+        purged(&mut c) == 5000 && read(&mut c) - before >= 5000
     });
     // The worker reports its statistics after a cycle, at most once a second.
     thread::sleep(Duration::from_millis(1500));
@@ -135,12 +144,8 @@ fn a_row_passed_over_in_a_long_cycle_is_met_again_within_it() {
     .unwrap();
     let mut holder = cluster.connect("purge_revisit");
     holder.batch_execute("BEGIN; SELECT 1 FROM dedup.inbox_default WHERE id = 'held' FOR UPDATE").unwrap();
-    c.batch_execute("ALTER SYSTEM SET dedup.purge = on").unwrap();
-    c.batch_execute("SELECT pg_reload_conf()").unwrap();
-    eventually("the first batches passed the held row", || {
-        let purged: i64 = c.query_one("SELECT purged FROM dedup.stats WHERE inbox = 'default'", &[]).unwrap().get(0);
-        purged >= 20
-    });
+    turn_purging_on(&mut c);
+    eventually("the first batches passed the held row", || purged(&mut c) >= 20);
     holder.batch_execute("COMMIT").unwrap();
     eventually("the held row is purged", || {
         !c.query_one("SELECT EXISTS (SELECT 1 FROM dedup.inbox_default WHERE id = 'held')", &[])

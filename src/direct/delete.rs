@@ -105,9 +105,9 @@ pub struct Deleted {
 /// one's row from the heap until some walk has found it dead to every transaction and marked the entry dead, which
 /// lags behind the batches. A cycle of 5,000 rows in batches of 100 read 57,935 entries that way; in batches of
 /// 1,000 the worker took 1.25-2 times the CPU per cycle of 100,000 at the default pace, and 4.6 times for 1,000,000
-/// without pauses (bench/results/profiles/issue-23.md, stop 58). The entries whose
-/// expiry is `from` itself are walked again: all the marks one statement wrote share their expiry, so a batch that
-/// stopped among them starts again at their first. Rows that expired before `from` and are still there (held by
+/// without pauses (bench/results/profiles/issue-23.md, stop 58). The entries whose expiry is `from` itself are walked
+/// again: all the marks one statement wrote share their expiry, so a batch that stopped among them starts again at
+/// their first. Rows that expired before `from` and are still there (held by
 /// another transaction when passed over, or committed since with an expiry already past) are left to a later walk
 /// that starts without it.
 pub fn delete_expired(
