@@ -92,6 +92,9 @@ pub struct Deleted {
     /// The `expires_at` of the last row it read from the heap (deleted or passed over), if any: where the next batch
     /// of the same purge may start (`from`).
     pub reached: Option<pg_sys::TimestampTz>,
+    /// Whether every row it read has that same expiry (marks written by one statement share theirs): a batch
+    /// starting there walks again over the entries of all of them.
+    pub all_at_reached: bool,
 }
 
 /// Deletes up to `limit` rows of `inbox` that expired at or before `now` (and, with `from`, not before it), in
@@ -166,7 +169,7 @@ pub fn delete_expired(
             pg_sys::index_rescan(scan, keys.as_mut_ptr(), nkeys, std::ptr::null_mut(), 0);
             let slot = pg_sys::table_slot_create(rel, std::ptr::null_mut());
             let mut deleted = 0;
-            let mut reached = None;
+            let (mut first, mut reached) = (None, None);
             let mut walked: i64 = 0;
             while deleted < limit {
                 // index_getnext_slot(), taken apart to count the entries walked, those of rows gone included.
@@ -193,6 +196,7 @@ pub fn delete_expired(
                     continue;
                 }
                 reached = Some(expires_at.value() as pg_sys::TimestampTz);
+                first = first.or(reached);
                 let mut tid = (*slot).tts_tid;
                 let mut failure = pg_sys::TM_FailureData::default();
                 let outcome = pg_sys::table_tuple_delete(
@@ -219,7 +223,7 @@ pub fn delete_expired(
                 // Later statements of the transaction must not see the rows, as after any SQL delete.
                 pg_sys::CommandCounterIncrement();
             }
-            Some(Deleted { rows: deleted, reached })
+            Some(Deleted { rows: deleted, reached, all_at_reached: first == reached })
         })
     }
 }
