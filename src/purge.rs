@@ -197,8 +197,7 @@ pub fn purge_cycle(slot: &WorkerSlot, go_on: impl Fn(Duration) -> bool) {
                                 Some(deleted) => {
                                     // SAFETY: a plain call; the rows deleted gave the transaction an id.
                                     let xid = unsafe { pg_sys::GetTopTransactionIdIfAny() };
-                                    let again = deleted.rows > 0 && deleted.all_at_reached;
-                                    (deleted.rows, deleted.reached, again.then_some(xid))
+                                    (deleted.rows, deleted.reached, deleted.all_at_reached.then_some(xid))
                                 }
                                 None => {
                                     let deleted =

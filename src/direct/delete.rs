@@ -92,8 +92,8 @@ pub struct Deleted {
     /// The `expires_at` of the last row it read from the heap (deleted or passed over), if any: where the next batch
     /// of the same purge may start (`from`).
     pub reached: Option<pg_sys::TimestampTz>,
-    /// Whether every row it read has that same expiry (marks written by one statement share theirs): a batch
-    /// starting there walks again over the entries of all of them.
+    /// Whether it read rows and every one has that same expiry (marks written by one statement share theirs): a
+    /// batch starting there walks again over the entries of all of them.
     pub all_at_reached: bool,
 }
 
@@ -223,7 +223,7 @@ pub fn delete_expired(
                 // Later statements of the transaction must not see the rows, as after any SQL delete.
                 pg_sys::CommandCounterIncrement();
             }
-            Some(Deleted { rows: deleted, reached, all_at_reached: first == reached })
+            Some(Deleted { rows: deleted, reached, all_at_reached: reached.is_some() && first == reached })
         })
     }
 }
