@@ -3,12 +3,13 @@
 //! CONFLICT DO NOTHING RETURNING, then for a new key the UPDATE of the response, for a replay a SELECT ... FOR
 //! UPDATE), for new keys and for replays, at 1 and 8 clients (and at 1 with pgbench and the server on one CPU,
 //! `crate::pin`), sync off, one request per transaction, with the
-//! ceiling of a new key's request (the same two statements' round trips, doing nothing). And what the claim columns
+//! ceiling of a new key's request (the same two statements' round trips, doing nothing); a new key's goals are judged
+//! on the two sides alone, paired (`compare::paired`). And what the claim columns
 //! cost a plain mark: bytes and WAL per mark of an inbox (six columns, four NULL) against a table of pg_dedup
 //! 0.2.0's two-column row, filled by the same statement.
 
 use crate::clients::settle;
-use crate::compare::{compare, Side};
+use crate::compare::{compare, paired, Setting, Side};
 use crate::pgbench::{Commit, Pgbench};
 use crate::{Goal, Row, Scale};
 use pg_dedup_harness::postgres::Client;
@@ -85,7 +86,7 @@ pub fn scenarios(c: &mut Client, pgbench: &Pgbench, scale: &Scale) -> Vec<Row> {
     // One client again with pgbench and the server on one CPU: diagnostic rows, without goals (`crate::pin` says
     // why).
     for (clients, one_cpu) in [(1, false), (8, false), (1, true)] {
-        let setting = crate::compare::Setting {
+        let setting = Setting {
             clients,
             commit: Commit::Async,
             secs: scale.run_secs,
@@ -103,14 +104,13 @@ pub fn scenarios(c: &mut Client, pgbench: &Pgbench, scale: &Scale) -> Vec<Row> {
         let m = compare(c, pgbench, &setting, &sides);
         let at = setting.label();
         let goal = |row: Row, goal| if one_cpu { row } else { row.goal(goal) };
-        let claim_new = crate::clients::row(
+        // Its goal is judged on the paired row below.
+        rows.push(crate::clients::row(
             format!("claim() + complete(), new key, 1 kB result, {at}"),
             ("claim + complete", &m[0]),
             ("hand-written", &m[1]),
             "tx/s",
-        );
-        // Issue 22's targets: 1.15 at 1 client, 1.05 at 8.
-        rows.push(goal(claim_new, Goal::AtLeast(if clients == 1 { 1.15 } else { 1.05 })));
+        ));
         rows.push(crate::clients::row(
             format!("ceiling: a request of two statements doing nothing vs hand-written, {at}"),
             ("doing nothing", &m[4]),
@@ -129,6 +129,25 @@ pub fn scenarios(c: &mut Client, pgbench: &Pgbench, scale: &Scale) -> Vec<Row> {
             let (a, b) = (m[2].wal_per_id.unwrap(), m[3].wal_per_id.unwrap());
             rows.push(Row::new("WAL per replay", ("claim", a), ("hand-written", b), "B/id").goal(Goal::AtMost(0.01)));
         }
+    }
+    // Issue 22's goals for a new key, judged on the two sides alone, paired (`compare::paired`): they lie a few points
+    // from the ratios, which medians of five rounds of five sides placed at 0.94x and 1.10x at 1 client in two full
+    // runs of the same code. After the rows above, so that the keys the pairs add do not change the tables they
+    // measured.
+    for (clients, goal) in [(1, 1.15), (8, 1.05)] {
+        let setting = Setting {
+            clients,
+            commit: Commit::Async,
+            secs: scale.pair_secs,
+            rounds: scale.pairs,
+            connect_per_tx: false,
+            one_cpu: false,
+        };
+        let (ours, hand) =
+            (Side::Sql { script: ours_new.clone(), ids: 1 }, Side::Sql { script: hand_new.clone(), ids: 1 });
+        let p = paired(c, pgbench, &setting, ours, hand);
+        let scenario = format!("claim() + complete(), new key, 1 kB result, paired, {}", setting.label());
+        rows.push(p.row(&scenario, "claim + complete", "hand-written", "tx/s").goal(Goal::AtLeast(goal)));
     }
     rows.extend(mark_size(c));
     rows
