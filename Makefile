@@ -65,7 +65,7 @@ test: setup
 	done
 
 # Benchmarks (optimised build of the extension) against hand-written SQL, pg_test_fsync and Redis; BENCH_QUICK=1 for
-# a short run (about 4 minutes; the full run takes about 90), BENCH_ONLY=clients,growth for some sections only,
+# a short run (about 4 minutes; the full run takes about 100), BENCH_ONLY=clients,growth for some sections only,
 # BENCH_ROUNDS=15 for more alternating rounds than the mode's.
 # The Citus section runs on PostgreSQL $(CITUS_PG), where scripts/setup.sh builds Citus (skipped when it did not).
 CITUS_PG ?= 18
