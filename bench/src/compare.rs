@@ -173,12 +173,12 @@ pub fn paired(c: &mut Client, pgbench: &Pgbench, setting: &Setting, a: Side, b: 
 /// Blocks of consecutive pairs whose mean log-ratios give the interval, from 10 pairs on.
 const BLOCKS: usize = 5;
 
-/// The geometric means and the 90% interval (Student's t) of A / B, from the rates of each pair's two runs, in order
-/// (`paired`'s, or those of another pair of sides, like the purge's backlogs). Neighbouring pairs are not independent: the
-/// tables grow, the host's other tenants come and go, and stop 56's three batches of the same pairs gave intervals
-/// that did not overlap. The means of `BLOCKS` runs of consecutive pairs carry that drift; but five of them can also
-/// agree by chance (stop 57's Citus run at 1 client: blocks spread by 0.013 where pairs spread by 0.14 predicted
-/// about 0.05). So the interval takes the larger of the two standard errors, the blocks' and the pairs' own.
+/// The geometric means and the 90% interval (Student's t) of A / B, from the rates of each pair's two runs, in
+/// order (`paired`'s, or those of another pair of sides, like the purge's backlogs). Neighbouring pairs are not
+/// independent: the tables grow, the host's other tenants come and go, and stop 56's three batches of the same pairs
+/// gave intervals that did not overlap. The means of `BLOCKS` runs of consecutive pairs carry that drift; but five of
+/// them can also agree by chance (stop 57's Citus run at 1 client: blocks spread by 0.013 where pairs spread by 0.14
+/// predicted about 0.05). So the interval takes the larger of the two standard errors, the blocks' and the pairs' own.
 pub fn paired_ratio(a: Vec<f64>, b: Vec<f64>) -> Paired {
     let n = a.len();
     assert!(n >= 2 && b.len() == n, "a paired comparison needs two pairs or more");

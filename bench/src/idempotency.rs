@@ -83,17 +83,18 @@ pub fn scenarios(c: &mut Client, pgbench: &Pgbench, scale: &Scale) -> Vec<Row> {
         &transaction(["SELECT ('new-' || :r) IS NOT NULL".to_owned(), "SELECT ('new-' || :r) IS NOT NULL".to_owned()]),
     );
     let mut rows = Vec::new();
+    let setting_at = |clients, one_cpu| Setting {
+        clients,
+        commit: Commit::Async,
+        secs: scale.run_secs,
+        rounds: scale.rounds,
+        connect_per_tx: false,
+        one_cpu,
+    };
     // One client again with pgbench and the server on one CPU: diagnostic rows, without goals (`crate::pin` says
     // why).
     for (clients, one_cpu) in [(1, false), (8, false), (1, true)] {
-        let setting = Setting {
-            clients,
-            commit: Commit::Async,
-            secs: scale.run_secs,
-            rounds: scale.rounds,
-            connect_per_tx: false,
-            one_cpu,
-        };
+        let setting = setting_at(clients, one_cpu);
         let sides = [
             Side::Sql { script: ours_new.clone(), ids: 1 },
             Side::Sql { script: hand_new.clone(), ids: 1 },
@@ -135,14 +136,7 @@ pub fn scenarios(c: &mut Client, pgbench: &Pgbench, scale: &Scale) -> Vec<Row> {
     // runs of the same code. After the rows above, so that the keys the pairs add do not change the tables they
     // measured.
     for (clients, goal) in [(1, 1.15), (8, 1.05)] {
-        let setting = Setting {
-            clients,
-            commit: Commit::Async,
-            secs: scale.pair_secs,
-            rounds: scale.pairs,
-            connect_per_tx: false,
-            one_cpu: false,
-        };
+        let setting = setting_at(clients, false).paired(scale);
         let (ours, hand) =
             (Side::Sql { script: ours_new.clone(), ids: 1 }, Side::Sql { script: hand_new.clone(), ids: 1 });
         let p = paired(c, pgbench, &setting, ours, hand);

@@ -49,7 +49,8 @@ pub fn describe(c: &mut Client, quick: bool, scale: &Scale, commit: String) -> M
         (
             "rounds",
             format!(
-                "medians of {} alternating rounds, {} s per client-side run; paired rows: {} pairs of {}-s runs",
+                "medians of {} alternating rounds, {} s per client-side run; paired rows: {} pairs ({}-s runs; the \
+                 backlog's purge: one purge a side)",
                 scale.rounds, scale.run_secs, scale.pairs, scale.pair_secs
             ),
         ),

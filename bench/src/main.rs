@@ -68,7 +68,8 @@ pub struct Scale {
     /// Calls per callgrind run (the runs do this many, then twice as many).
     pub callgrind_calls: i64,
     /// Pairs of runs, and seconds per run, of a paired row (`compare::paired`): two sides only, in short runs
-    /// back to back, for a ratio whose goal lies closer to it than a run of several sides can resolve.
+    /// back to back, for a ratio whose goal lies closer to it than a run of several sides can resolve. The purge of
+    /// a backlog takes the pairs only: each of its runs is one purge.
     pub pairs: usize,
     pub pair_secs: u32,
 }
