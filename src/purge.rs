@@ -195,7 +195,9 @@ pub fn purge_cycle(slot: &WorkerSlot, go_on: impl Fn(Duration) -> bool) {
                             let now = statement_now();
                             match purge_directly(&inbox, now, from, limit, paced) {
                                 Some(deleted) => {
-                                    // SAFETY: a plain call; the rows deleted gave the transaction an id.
+                                    // SAFETY: a plain call. Without a row deleted the transaction may have no
+                                    // id (0), but such a batch deleted fewer than its limit and ends the walk
+                                    // below, before the flush would use it.
                                     let xid = unsafe { pg_sys::GetTopTransactionIdIfAny() };
                                     (deleted.rows, deleted.reached, deleted.all_at_reached.then_some(xid))
                                 }
