@@ -302,7 +302,7 @@ pub extern "C-unwind" fn pg_dedup_worker_main(arg: pg_sys::Datum) {
                 // long cycle).
                 purge::purge_cycle(slot, |pause| {
                     flush_if_due(installed);
-                    (pause.is_zero() || nap(pause)) && !stopping() && reload_and_still_listed(&database)
+                    wait_out(pause, &database)
                 });
             }
             flush_if_due(installed);
@@ -339,6 +339,31 @@ fn reload_if_asked() {
     if BackgroundWorker::sighup_received() {
         // SAFETY: rereads the configuration files between transactions, as a SIGHUP asks.
         unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
+    }
+}
+
+/// Waits `pause` between two batches of a purge, rereading the configuration when asked to; false when the worker
+/// is to stop or its database has left `dedup.database`. A wake-up for anything else does not end the pause: the
+/// latch is also set by signals the worker has no use for here (most likely the shared invalidation queue asking a
+/// process that lags behind to catch up, after DDL elsewhere; not traced), and the first pause of a cycle was seen to
+/// end at once that way,
+/// where `dedup.purge_batch_delay` is the room a batch promises to leave. A reload that shortens the delay shortens
+/// the pause under way.
+fn wait_out(pause: Duration, database: &str) -> bool {
+    let start = Instant::now();
+    loop {
+        if stopping() || !reload_and_still_listed(database) {
+            return false;
+        }
+        let end = start + pause.min(Duration::from_millis(guc::PURGE_BATCH_DELAY.get() as u64));
+        // What is left, to the millisecond a latch's wait counts in.
+        let left = end.saturating_duration_since(Instant::now());
+        if left < Duration::from_millis(1) {
+            return true;
+        }
+        if !nap(left) {
+            return false;
+        }
     }
 }
 
