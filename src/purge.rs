@@ -51,8 +51,10 @@ fn purge_directly(
     from: Option<pg_sys::TimestampTz>,
     limit: i64,
     paced: bool,
+    after: Option<&direct::Gone>,
+    keep: bool,
 ) -> Option<direct::Deleted> {
-    let deleted = direct::delete_expired(inbox, now, from, limit, paced)?;
+    let deleted = direct::delete_expired(inbox, now, from, limit, paced, after, keep)?;
     inbox.count(Counter::Purged, deleted.rows as u64);
     Some(deleted)
 }
@@ -93,7 +95,7 @@ pub fn purge_inbox(inbox: &Inbox, limit: Option<i64>) -> i64 {
     // Directly in one walk of the expires_at btree, not batch after batch: rows this transaction deleted keep their
     // index entries until it ends (no scan may skip them before), so each batch's walk would step again over the
     // entries of every batch before it; 500,000 expired marks took 13.25 M entries read and 5x the time.
-    let direct = purge_directly(inbox, now, None, limit.unwrap_or(i64::MAX), false);
+    let direct = purge_directly(inbox, now, None, limit.unwrap_or(i64::MAX), false, None, false);
     let mut deleted = direct.map(|d| d.rows).unwrap_or_else(|| {
         let mut skipping = false;
         // Citus sends a distributed batch's ids to every shard: its size stays until larger ones are measured.
@@ -168,8 +170,9 @@ pub fn purge_cycle(slot: &WorkerSlot, go_on: impl Fn(Duration) -> bool) {
             // the next cycle, even in a cycle that does not end because expired marks come as fast as it purges.
             let mut from = None;
             let mut walk_started = Instant::now();
-            // The transaction of the last batch, when the next walks again over all of its rows (`flush_commit_of`).
-            let mut flush_first = None;
+            // The rows the last direct batch deleted, when they share one expiry and the next batch walks again over
+            // all of them (`flush_commit_of`, `direct::Gone`).
+            let mut last: Option<direct::Gone> = None;
             let capped = loop {
                 if !go_on(std::mem::take(&mut pause)) {
                     return;
@@ -178,8 +181,8 @@ pub fn purge_cycle(slot: &WorkerSlot, go_on: impl Fn(Duration) -> bool) {
                 if limit <= 0 {
                     break true;
                 }
-                if let Some(xid) = flush_first.take() {
-                    in_transaction("flushing the WAL before a batch", || flush_commit_of(xid));
+                if let Some(gone) = &last {
+                    in_transaction("flushing the WAL before a batch", || flush_commit_of(gone.xid()));
                 }
                 // Directly where the table allows: no code of the owner's can run, so no rights to switch to. Else
                 // through SQL, as the table's owner. A worker told to leave room for foreground work between its
@@ -188,23 +191,30 @@ pub fn purge_cycle(slot: &WorkerSlot, go_on: impl Fn(Duration) -> bool) {
                 if walk_started.elapsed() >= guc::purge_interval() {
                     (from, walk_started) = (None, Instant::now());
                 }
+                let after = last.as_ref();
                 let batch = |held| {
                     move || {
                         worker_batch(|| {
                             let inbox = inbox::open(name, Access::Delete);
                             let now = statement_now();
-                            match purge_directly(&inbox, now, from, limit, paced) {
+                            match purge_directly(&inbox, now, from, limit, paced, after, true) {
                                 Some(deleted) => {
-                                    // SAFETY: a plain call. Without a row deleted the transaction may have no
-                                    // id (0), but such a batch deleted fewer than its limit and ends the walk
-                                    // below, before the flush would use it.
-                                    let xid = unsafe { pg_sys::GetTopTransactionIdIfAny() };
-                                    (deleted.rows, deleted.reached, deleted.all_at_reached.then_some(xid))
+                                    let again = &deleted.rewalked;
+                                    if again.unread + again.read > 0 {
+                                        pgrx::debug1!(
+                                            "pg_dedup worker: a batch of inbox \"{name}\" met {} index entries of \
+                                             the rows the last one deleted and read {} of those rows again (their \
+                                             pages had changed); it asked for the others to be marked dead",
+                                            again.unread + again.read,
+                                            again.read
+                                        );
+                                    }
+                                    (deleted.rows, deleted.reached, deleted.gone, deleted.all_at_reached)
                                 }
                                 None => {
                                     let deleted =
                                         rights::as_table_owner(inbox.relid, || purge_batch(&inbox, now, limit, held));
-                                    (deleted, None, None)
+                                    (deleted, None, None, false)
                                 }
                             }
                         })
@@ -224,9 +234,10 @@ pub fn purge_cycle(slot: &WorkerSlot, go_on: impl Fn(Duration) -> bool) {
                         None
                     }
                 };
-                let Some((deleted, reached, walked_again)) = deleted else { break false };
-                from = reached;
-                flush_first = walked_again;
+                let Some((deleted, reached, gone, walked_again)) = deleted else { break false };
+                // Rows of their own expiries: the next batch meets again only the one this one stopped at, not worth
+                // a flush and a lock.
+                (from, last) = (reached, gone.filter(|_| walked_again));
                 total += deleted;
                 if deleted < limit {
                     break false;
@@ -443,10 +454,10 @@ mod tests {
         run("UPDATE dedup.inbox_direct SET expires_at = now() + interval '1 hour' WHERE id = 'e1'");
         let inbox = crate::inbox::open("direct", crate::inbox::Access::Delete);
         let now = crate::clock::statement_now();
-        let first = crate::direct::delete_expired(&inbox, now, None, 3, false).unwrap();
+        let first = crate::direct::delete_expired(&inbox, now, None, 3, false, None, false).unwrap();
         assert_eq!(first.rows, 3);
         assert!(first.all_at_reached, "the marks of one INSERT share their expiry");
-        let rest = crate::direct::delete_expired(&inbox, now, None, 10, true).unwrap();
+        let rest = crate::direct::delete_expired(&inbox, now, None, 10, true, None, false).unwrap();
         assert_eq!(rest.rows, 1, "the renewed mark is live");
         assert_eq!(count("dedup.inbox_direct"), 4);
         assert_eq!(one::<i64>("SELECT count(*) FROM dedup.inbox_direct WHERE expires_at <= now()"), 0);
@@ -465,17 +476,17 @@ mod tests {
         }
         let inbox = crate::inbox::open("resume", crate::inbox::Access::Delete);
         let now = crate::clock::statement_now();
-        let first = crate::direct::delete_expired(&inbox, now, None, 2, false).unwrap();
+        let first = crate::direct::delete_expired(&inbox, now, None, 2, false, None, false).unwrap();
         assert_eq!(first.rows, 2);
         assert!(first.reached.is_some(), "it says where it stopped");
         assert!(!first.all_at_reached, "e1 and e2 expire a second apart");
         // Committed since, say: one expired before where the batch stopped, one at the very same expiry.
         expired("early", 0);
         expired("e2-twin", 2);
-        let next = crate::direct::delete_expired(&inbox, now, first.reached, 10, false).unwrap();
+        let next = crate::direct::delete_expired(&inbox, now, first.reached, 10, false, None, false).unwrap();
         assert_eq!(next.rows, 3, "e2-twin, e3 and e4");
         assert_eq!(one::<String>("SELECT string_agg(id, ',') FROM dedup.inbox_resume"), "early");
-        let cycle_after = crate::direct::delete_expired(&inbox, now, None, 10, false).unwrap();
+        let cycle_after = crate::direct::delete_expired(&inbox, now, None, 10, false, None, false).unwrap();
         assert_eq!(cycle_after.rows, 1, "the next cycle, from the start, gets it");
     }
 
@@ -487,13 +498,15 @@ mod tests {
                  $$ BEGIN INSERT INTO purge_seen VALUES (OLD.id); RETURN OLD; END $$;
              CREATE TRIGGER note BEFORE DELETE ON dedup.inbox_owned_code FOR EACH ROW EXECUTE FUNCTION purge_note()");
         let inbox = crate::inbox::open("owned_code", crate::inbox::Access::Delete);
-        assert!(crate::direct::delete_expired(&inbox, crate::clock::statement_now(), None, 10, false).is_none());
+        assert!(crate::direct::delete_expired(&inbox, crate::clock::statement_now(), None, 10, false, None, false)
+            .is_none());
         assert_eq!(one::<i64>("SELECT dedup.purge('owned_code')"), 4);
         assert_eq!(count("purge_seen"), 4, "the owner's trigger saw every delete");
         expired_inbox("unindexed_purge", 3, 1);
         run("DROP INDEX dedup.inbox_unindexed_purge_expires_at_idx");
         let inbox = crate::inbox::open("unindexed_purge", crate::inbox::Access::Delete);
-        assert!(crate::direct::delete_expired(&inbox, crate::clock::statement_now(), None, 10, false).is_none());
+        assert!(crate::direct::delete_expired(&inbox, crate::clock::statement_now(), None, 10, false, None, false)
+            .is_none());
         assert_eq!(one::<i64>("SELECT dedup.purge('unindexed_purge')"), 3);
     }
 

@@ -89,6 +89,11 @@ fn purged(c: &mut Client) -> i64 {
     c.query_one("SELECT purged FROM dedup.stats WHERE inbox = 'default'", &[]).unwrap().get(0)
 }
 
+/// The purge cycles the worker has ended since it started.
+fn cycles(c: &mut Client) -> i64 {
+    c.query_one("SELECT coalesce(purge_cycles, 0) FROM dedup.worker_stats()", &[]).unwrap().get(0)
+}
+
 /// The index entries (`idx_tup_read` of the `expires_at` btree) one purge cycle reads to delete 5,000 marks in batches
 /// of 100, the marks loaded by one INSERT with `expires_at` (of g, 1 to 5,000), in a fresh cluster named `name`.
 fn entries_one_cycle_reads(name: &str, expires_at: &str) -> i64 {
@@ -140,6 +145,153 @@ fn a_purge_cycle_over_marks_of_one_expiry_reads_each_entry_a_few_times() {
     // Equal keys share posting lists of about 200 entries, and a walk marks a posting list dead only once every row
     // in it is: one spans two batches of 100, so each batch walks over the last two's rows (5,000 + 49 x 200).
     assert!(entries <= 20_000, "{entries} index entries read to purge 5,000 marks of one expiry in batches of 100");
+}
+
+/// The expiry of the marks `marks_of_one_expiry` inserts.
+const ONE_EXPIRY: &str = "'2000-01-01 00:00:00+00'";
+
+/// Inserts `n` marks named `prefix` and a number, all of `ONE_EXPIRY`, padded so that a few fill a heap page; returns
+/// their tids (as text) in tid order, the order a walk of the btree meets them in (equal keys go in tid order). Their
+/// entries in the `expires_at` btree stay one per row: equal keys would otherwise share posting lists, which a walk
+/// marks dead only once it has found every row in them dead, and a test of what is marked dead would see less.
+fn marks_of_one_expiry(c: &mut Client, prefix: &str, n: i64) -> Vec<String> {
+    c.batch_execute("ALTER INDEX dedup.inbox_default_expires_at_idx SET (deduplicate_items = off)").unwrap();
+    let mut tids: Vec<(i32, i32, String)> = c
+        .query(
+            &format!(
+                "INSERT INTO dedup.inbox_default
+                     SELECT '{prefix}' || g || repeat('.', 200), {ONE_EXPIRY} FROM generate_series(1, {n}) g
+                 RETURNING (ctid::text::point)[0]::int, (ctid::text::point)[1]::int, ctid::text"
+            ),
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|row| (row.get(0), row.get(1), row.get(2)))
+        .collect();
+    tids.sort();
+    tids.into_iter().map(|(_, _, tid)| tid).collect()
+}
+
+/// The marks of `ONE_EXPIRY` that a scan of the `expires_at` btree finds, and those a scan of the table finds, in
+/// `c`'s transaction or snapshot: an entry marked dead while its row is still seen hides the row from the first.
+fn through_btree_and_table(c: &mut Client) -> (i64, i64) {
+    let mut through = |scans: &str| -> i64 {
+        c.batch_execute(&format!(
+            "SET enable_seqscan = off; SET enable_indexscan = off; SET enable_indexonlyscan = off;
+             SET enable_bitmapscan = off; SET {scans} = on"
+        ))
+        .unwrap();
+        let n = c
+            .query_one(&format!("SELECT count(*) FROM dedup.inbox_default WHERE expires_at = {ONE_EXPIRY}"), &[])
+            .unwrap()
+            .get(0);
+        c.batch_execute(
+            "RESET enable_seqscan; RESET enable_indexscan; RESET enable_indexonlyscan; RESET enable_bitmapscan",
+        )
+        .unwrap();
+        n
+    };
+    (through("enable_indexscan"), through("enable_seqscan"))
+}
+
+/// What the worker's DEBUG1 lines say its batches met of the entries of the rows the batch before each had deleted:
+/// (those whose rows it did not read again, those whose rows it read because their heap page had changed).
+fn rewalked(cluster: &Cluster) -> (i64, i64) {
+    let number_after = |line: &str, words: &str| -> i64 {
+        line.split(words).nth(1).and_then(|rest| rest.split(' ').next()).and_then(|n| n.parse().ok()).unwrap_or(0)
+    };
+    cluster
+        .log()
+        .lines()
+        .filter(|line| line.contains("of the rows the last one deleted"))
+        .map(|line| (number_after(line, " met "), number_after(line, " and read ")))
+        .fold((0, 0), |(unread, read), (met, again)| (unread + met - again, read + again))
+}
+
+/// Marks of one expiry: each batch walks again over the entries of the rows the last one deleted, and marks them
+/// dead without reading those rows from the heap, once their deletion is dead to every transaction.
+#[test]
+fn a_batch_marks_the_last_batchs_entries_dead_without_reading_their_rows() {
+    let cluster = purging(
+        "purge_unvisited",
+        &[
+            "dedup.purge_batch_size = 100",
+            "dedup.purge = off",
+            "dedup.purge_interval = '1h'",
+            "log_min_messages = debug1",
+            "autovacuum = off",
+        ],
+    );
+    let mut c = cluster.fresh_db("purge_unvisited");
+    marks_of_one_expiry(&mut c, "e", 5000);
+    turn_purging_on(&mut c);
+    eventually("the cycle has purged the expired marks", || cycles(&mut c) > 0);
+    assert_eq!(purged(&mut c), 5000);
+    let (unread, _) = rewalked(&cluster);
+    // The 49 batches after the first and the last, which deletes nothing, each after 100 rows the one before deleted.
+    assert!(unread >= 2_500, "{unread} entries marked dead without reading their rows, of 5,000");
+    assert_eq!(through_btree_and_table(&mut c), (0, 0));
+}
+
+/// A line pointer that VACUUM freed between two batches and a new mark of the same expiry took is not the row the
+/// last batch deleted: the next batch reads it, and purges it.
+#[test]
+fn a_row_given_the_place_of_one_the_last_batch_deleted_is_read_and_purged() {
+    let cluster = purging(
+        "purge_reused",
+        &[
+            "dedup.purge_batch_size = 100",
+            "dedup.purge_batch_delay = 60000",
+            "dedup.purge = off",
+            "autovacuum = off",
+            "log_min_messages = debug1",
+        ],
+    );
+    let mut c = cluster.fresh_db("purge_reused");
+    // The first batch's rows.
+    let first_batch = &marks_of_one_expiry(&mut c, "e", 300)[..100];
+    turn_purging_on(&mut c);
+    // The reload that turned purging on does not cut the pause after the first batch short.
+    eventually("the first batch has committed", || count(&mut c, "dedup.inbox_default") == 200);
+    // Within the pause before the next batch: their line pointers freed, and new marks of the same expiry in them,
+    // which the next batch meets first.
+    c.batch_execute("VACUUM (INDEX_CLEANUP ON) dedup.inbox_default").unwrap();
+    marks_of_one_expiry(&mut c, "n", 100);
+    assert_eq!(count(&mut c, "dedup.inbox_default"), 300, "the next batch ran before the test was ready");
+    let reused: i64 = c
+        .query_one(
+            "SELECT count(*) FROM dedup.inbox_default WHERE id LIKE 'n%' AND ctid::text = ANY ($1)",
+            &[&first_batch],
+        )
+        .unwrap()
+        .get(0);
+    assert!(reused > 0, "no new mark took the place of one the first batch deleted: the test shows nothing");
+    // A reload that shortens the delay ends the pause under way.
+    c.batch_execute("ALTER SYSTEM SET dedup.purge_batch_delay = 10").unwrap();
+    c.batch_execute("SELECT pg_reload_conf()").unwrap();
+    eventually("every mark, old and new, is purged", || through_btree_and_table(&mut c) == (0, 0));
+    let (_, read) = rewalked(&cluster);
+    assert!(read >= reused, "the next batch read {read} rows in places the first had emptied, of {reused}");
+}
+
+/// A transaction whose snapshot still sees the deleted rows keeps their entries alive: it finds them through the
+/// `expires_at` btree as through the table.
+#[test]
+fn an_older_snapshot_still_finds_the_purged_rows_through_the_btree() {
+    let cluster = purging(
+        "purge_snapshot",
+        &["dedup.purge_batch_size = 100", "dedup.purge = off", "dedup.purge_interval = '1h'", "autovacuum = off"],
+    );
+    let mut c = cluster.fresh_db("purge_snapshot");
+    marks_of_one_expiry(&mut c, "e", 1000);
+    let mut reader = cluster.connect("purge_snapshot");
+    reader.batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM dedup.inbox_default").unwrap();
+    turn_purging_on(&mut c);
+    eventually("the expired marks are purged", || purged(&mut c) == 1000);
+    eventually("the cycle has ended, its last batch having walked over the last rows", || cycles(&mut c) > 0);
+    assert_eq!(through_btree_and_table(&mut reader), (1000, 1000));
+    reader.batch_execute("COMMIT").unwrap();
 }
 
 /// A row a batch passed over because another transaction held it is met again within the same cycle once a purge

@@ -19,7 +19,7 @@ mod insert;
 mod lookup;
 mod update;
 
-pub use delete::{delete_expired, Deleted};
+pub use delete::{delete_expired, Deleted, Gone};
 pub use insert::{insert, insert_new, insert_rows};
 pub use lookup::{find_each, find_one, own_row, readable, Found};
 pub use update::complete_own;
