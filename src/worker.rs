@@ -346,9 +346,8 @@ fn reload_if_asked() {
 /// is to stop or its database has left `dedup.database`. A wake-up for anything else does not end the pause: the
 /// latch is also set by signals the worker has no use for here (most likely the shared invalidation queue asking a
 /// process that lags behind to catch up, after DDL elsewhere; not traced), and the first pause of a cycle was seen to
-/// end at once that way,
-/// where `dedup.purge_batch_delay` is the room a batch promises to leave. A reload that shortens the delay shortens
-/// the pause under way.
+/// end at once that way, where `dedup.purge_batch_delay` is the room a batch promises to leave. A reload that
+/// shortens the delay shortens the pause under way.
 fn wait_out(pause: Duration, database: &str) -> bool {
     let start = Instant::now();
     loop {
