@@ -1,7 +1,8 @@
 //! Calls into PostgreSQL under one guard for a whole sequence, instead of pgrx's guard around each call: for the few
 //! sequences on every call's path that make several calls in a row (a write handle's use begun and ended, its locks
 //! taken again, a speculative insertion, the primary key's lookup set up and torn down, a claim read back where it
-//! was written, what an inbox's open is compared by).
+//! was written, what an inbox's open is compared by), and for the purge's walk, which makes several for each row it
+//! deletes (7.6% of a purge's instructions went to their guards, bench/results/profiles/issue-23.md, stop 62).
 //!
 //! Why: pgrx wraps every `pg_sys` function in a guard of its own (a `sigsetjmp`, the thread check, and a copy of
 //! the guard's code at every call site). A `claim()` + `complete()` request went through 85 of them: 6.4 k of its
@@ -47,6 +48,7 @@ macro_rules! unguarded {
                 /// # Safety
                 /// As for its `pg_sys` twin.
                 #[inline(always)]
+                #[allow(clippy::too_many_arguments)] // PostgreSQL's signature, as it is
                 pub unsafe fn $name(&self, $($arg: $ty),*) $(-> $ret)? {
                     // SAFETY: the caller vouches for the call; `self` says a guard is around it.
                     unsafe { raw::$name($($arg),*) }
@@ -97,6 +99,26 @@ unguarded! {
         specToken: u32,
         succeeded: bool,
     );
+    fn ProcessInterrupts();
+    fn index_getnext_tid(scan: pg_sys::IndexScanDesc, direction: pg_sys::ScanDirection::Type) -> pg_sys::ItemPointer;
+    fn index_fetch_heap(scan: pg_sys::IndexScanDesc, slot: *mut pg_sys::TupleTableSlot) -> bool;
+    fn ReadBuffer(reln: pg_sys::Relation, blockNum: pg_sys::BlockNumber) -> pg_sys::Buffer;
+    fn LockBuffer(buffer: pg_sys::Buffer, mode: std::ffi::c_int);
+    fn BufferGetLSNAtomic(buffer: pg_sys::Buffer) -> pg_sys::XLogRecPtr;
+    fn UnlockReleaseBuffer(buffer: pg_sys::Buffer);
+    #[link_name = "slot_getattr__pgrx_cshim"]
+    fn slot_getattr(slot: *mut pg_sys::TupleTableSlot, attnum: std::ffi::c_int, isnull: *mut bool) -> pg_sys::Datum;
+    #[link_name = "table_tuple_delete__pgrx_cshim"]
+    fn table_tuple_delete(
+        rel: pg_sys::Relation,
+        tid: pg_sys::ItemPointer,
+        cid: pg_sys::CommandId,
+        snapshot: pg_sys::Snapshot,
+        crosscheck: pg_sys::Snapshot,
+        wait: bool,
+        tmfd: *mut pg_sys::TM_FailureData,
+        changingPart: bool,
+    ) -> pg_sys::TM_Result::Type;
     #[link_name = "table_tuple_fetch_row_version__pgrx_cshim"]
     fn table_tuple_fetch_row_version(
         rel: pg_sys::Relation,
@@ -104,6 +126,21 @@ unguarded! {
         snapshot: pg_sys::Snapshot,
         slot: *mut pg_sys::TupleTableSlot,
     ) -> bool;
+}
+
+impl Guard {
+    /// `CHECK_FOR_INTERRUPTS()`: serves a cancel or a termination asked for meanwhile (by an ERROR, or by exiting).
+    ///
+    /// # Safety
+    /// As `ProcessInterrupts`: callable wherever a query may be cancelled.
+    pub unsafe fn check_for_interrupts(&self) {
+        // SAFETY: reads a flag signal handlers set; the caller vouches for the call.
+        unsafe {
+            if pg_sys::InterruptPending != 0 {
+                self.ProcessInterrupts();
+            }
+        }
+    }
 }
 
 /// Runs `calls`, a sequence of `Guard`'s functions, under one guard: an ERROR any of them raises becomes a Rust

@@ -1,8 +1,8 @@
 //! Memory, encodings and errors: `mark_many()` of a million ids stays within 3× the memory of the hand-written
 //! insert, a transaction remembers where it wrote at most 917,504 ids, dropped inboxes do not leak per-backend
 //! memory, a non-UTF8 database is refused with a clear error, `dedup.purge()` leaves a `SET LOCAL` local, concurrent
-//! drop/create of an inbox answers "does not exist", and errors PostgreSQL raises reach the client without a Rust
-//! backtrace.
+//! drop/create of an inbox answers "does not exist", errors PostgreSQL raises reach the client without a Rust
+//! backtrace, and a purge cancelled within its walk is an ordinary error.
 
 use pg_dedup_harness::postgres::Client;
 use pg_dedup_tests::*;
@@ -232,4 +232,34 @@ fn errors_postgres_raises_reach_the_client_without_a_rust_backtrace() {
     assert_eq!(db.code().code(), "40001", "{err}");
     assert!(!db.detail().unwrap_or("").contains("backtrace"), "{:?}", db.detail());
     assert!(!db.detail().unwrap_or("").contains("rust_begin_unwind"), "{:?}", db.detail());
+}
+
+/// A purge cancelled in the middle of its walk (the statement's timeout, served where the walk checks for
+/// interrupts, inside the one guard around its calls into PostgreSQL) is an ordinary error: the client gets 57014,
+/// nothing is deleted, and the server goes on without restarting.
+#[test]
+fn a_purge_cancelled_within_its_walk_is_an_ordinary_error() {
+    let cluster = preloaded("purge_cancel", &[]);
+    let mut c = cluster.fresh_db("purge_cancel");
+    c.batch_execute(
+        "INSERT INTO dedup.inbox_default (id, expires_at)
+             SELECT 'x' || g, now() - interval '1 hour' FROM generate_series(1, 500000) g",
+    )
+    .unwrap();
+    c.batch_execute("VACUUM ANALYZE dedup.inbox_default").unwrap();
+    let started = |c: &mut Client| -> String {
+        c.query_one("SELECT pg_postmaster_start_time()::text", &[]).unwrap().get(0)
+    };
+    let before = started(&mut c);
+    c.batch_execute("SET statement_timeout = '20ms'").unwrap();
+    let err = c.batch_execute("SELECT dedup.purge()").expect_err("500,000 rows take longer than 20 ms to purge");
+    let db = err.as_db_error().expect("a server error");
+    assert_eq!(db.code().code(), "57014", "{err}");
+    assert_eq!(db.message(), "canceling statement due to statement timeout");
+    let mut other = cluster.connect("purge_cancel");
+    assert_eq!(started(&mut other), before, "the server restarted");
+    assert_eq!(count(&mut other, "dedup.inbox_default"), 500_000, "the cancelled purge deleted rows");
+    c.batch_execute("RESET statement_timeout").unwrap();
+    let purged: i64 = c.query_one("SELECT dedup.purge()", &[]).unwrap().get(0);
+    assert_eq!(purged, 500_000);
 }

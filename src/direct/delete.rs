@@ -10,6 +10,7 @@
 
 use crate::inbox::Inbox;
 use crate::ports;
+use crate::unguarded::{self, Guard};
 use pgrx::prelude::*;
 use pgrx::PgMemoryContexts;
 
@@ -228,7 +229,12 @@ impl<'a> Rewalk<'a> {
     ///
     /// # Safety
     /// `rel` must be the open table the rows were deleted from.
-    unsafe fn unchanged_row(&mut self, rel: pg_sys::Relation, tid: &pg_sys::ItemPointerData) -> Option<bool> {
+    unsafe fn unchanged_row(
+        &mut self,
+        pg: &Guard,
+        rel: pg_sys::Relation,
+        tid: &pg_sys::ItemPointerData,
+    ) -> Option<bool> {
         let (key, tids) = (tid_key(tid), &self.gone.tids);
         while self.next < tids.len() && tids[self.next] < key {
             self.next += 1;
@@ -246,10 +252,10 @@ impl<'a> Rewalk<'a> {
                 // table only under a lock that conflicts with this transaction's); pinned and share-locked while its
                 // LSN is read.
                 let lsn = unsafe {
-                    let buffer = pg_sys::ReadBuffer(rel, block);
-                    pg_sys::LockBuffer(buffer, pg_sys::BUFFER_LOCK_SHARE as i32);
-                    let lsn = pg_sys::BufferGetLSNAtomic(buffer);
-                    pg_sys::UnlockReleaseBuffer(buffer);
+                    let buffer = pg.ReadBuffer(rel, block);
+                    pg.LockBuffer(buffer, pg_sys::BUFFER_LOCK_SHARE as i32);
+                    let lsn = pg.BufferGetLSNAtomic(buffer);
+                    pg.UnlockReleaseBuffer(buffer);
                     lsn
                 };
                 let unchanged = lsn <= self.gone.wal_before_commit;
@@ -345,65 +351,70 @@ pub fn delete_expired(
             let mut deleted = 0;
             let (mut first, mut reached) = (None, None);
             let mut walked: i64 = 0;
-            while deleted < limit {
-                // index_getnext_slot(), taken apart to count the entries walked, those of rows gone included.
-                if !(*scan).xs_heap_continue {
-                    if pg_sys::index_getnext_tid(scan, pg_sys::ScanDirection::ForwardScanDirection).is_null() {
-                        break;
-                    }
-                    walked += 1;
-                    entry = (*scan).xs_heaptid;
-                    if yield_cpu && walked % YIELD_EVERY == 0 {
-                        // sched_yield(): runs whoever waits for this core, then comes back.
-                        std::thread::yield_now();
-                    }
-                    match rewalk.as_mut().and_then(|rewalk| rewalk.unchanged_row(rel, &entry)) {
-                        Some(true) => {
-                            // What index_fetch_heap would have found, without the visit: the entry's rows are dead
-                            // to all, and the btree marks it dead when the walk leaves its page.
-                            (*scan).kill_prior_tuple = true;
-                            rewalked.unread += 1;
-                            pgrx::check_for_interrupts!();
-                            continue;
+            // SAFETY: the walk, under one guard (`unguarded`): calls their pg_sys twins could make, on the scan, slot,
+            // table and snapshot set up above; nothing in it has a destructor or panics (a push onto `tids` aborts the
+            // process if memory runs out, as anywhere in Rust, and unwinds nothing).
+            unguarded::guarded(|pg| {
+                while deleted < limit {
+                    // index_getnext_slot(), taken apart to count the entries walked, those of rows gone included.
+                    if !(*scan).xs_heap_continue {
+                        if pg.index_getnext_tid(scan, pg_sys::ScanDirection::ForwardScanDirection).is_null() {
+                            break;
                         }
-                        Some(false) => rewalked.read += 1,
-                        None => {}
+                        walked += 1;
+                        entry = (*scan).xs_heaptid;
+                        if yield_cpu && walked % YIELD_EVERY == 0 {
+                            // sched_yield(): runs whoever waits for this core, then comes back.
+                            std::thread::yield_now();
+                        }
+                        match rewalk.as_mut().and_then(|rewalk| rewalk.unchanged_row(pg, rel, &entry)) {
+                            Some(true) => {
+                                // What index_fetch_heap would have found, without the visit: the entry's rows are
+                                // dead to all, and the btree marks it dead when the walk leaves its page.
+                                (*scan).kill_prior_tuple = true;
+                                rewalked.unread += 1;
+                                pg.check_for_interrupts();
+                                continue;
+                            }
+                            Some(false) => rewalked.read += 1,
+                            None => {}
+                        }
                     }
-                }
-                if !pg_sys::index_fetch_heap(scan, slot) {
-                    pgrx::check_for_interrupts!();
-                    continue;
-                }
-                // The version the snapshot sees, read again from the heap: expired by its own expires_at, not
-                // only by its index entry. (A timestamptz datum is its int64 microseconds, infinities included:
-                // compared as such, without a conversion per row.)
-                let mut null = false;
-                let expires_at = pg_sys::slot_getattr(slot, 2, &mut null);
-                if null || expires_at.value() as i64 > now_datum.value() as i64 {
-                    continue;
-                }
-                reached = Some(expires_at.value() as pg_sys::TimestampTz);
-                first = first.or(reached);
-                let mut tid = (*slot).tts_tid;
-                let mut failure = pg_sys::TM_FailureData::default();
-                let outcome = pg_sys::table_tuple_delete(
-                    rel,
-                    &mut tid,
-                    cid,
-                    snapshot,
-                    std::ptr::null_mut(),
-                    false, // never wait: a row someone holds is theirs
-                    &mut failure,
-                    false,
-                );
-                if outcome == pg_sys::TM_Result::TM_Ok {
-                    deleted += 1;
-                    if keep {
-                        tids.push(tid_key(&entry));
+                    if !pg.index_fetch_heap(scan, slot) {
+                        pg.check_for_interrupts();
+                        continue;
                     }
+                    // The version the snapshot sees, read again from the heap: expired by its own expires_at, not
+                    // only by its index entry. (A timestamptz datum is its int64 microseconds, infinities included:
+                    // compared as such, without a conversion per row.)
+                    let mut null = false;
+                    let expires_at = pg.slot_getattr(slot, 2, &mut null);
+                    if null || expires_at.value() as i64 > now_datum.value() as i64 {
+                        continue;
+                    }
+                    reached = Some(expires_at.value() as pg_sys::TimestampTz);
+                    first = first.or(reached);
+                    let mut tid = (*slot).tts_tid;
+                    let mut failure = pg_sys::TM_FailureData::default();
+                    let outcome = pg.table_tuple_delete(
+                        rel,
+                        &mut tid,
+                        cid,
+                        snapshot,
+                        std::ptr::null_mut(),
+                        false, // never wait: a row someone holds is theirs
+                        &mut failure,
+                        false,
+                    );
+                    if outcome == pg_sys::TM_Result::TM_Ok {
+                        deleted += 1;
+                        if keep {
+                            tids.push(tid_key(&entry));
+                        }
+                    }
+                    pg.check_for_interrupts();
                 }
-                pgrx::check_for_interrupts!();
-            }
+            });
             let gone = keep.then(|| {
                 tids.sort_unstable();
                 Gone {
