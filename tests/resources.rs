@@ -247,9 +247,8 @@ fn a_purge_cancelled_within_its_walk_is_an_ordinary_error() {
     )
     .unwrap();
     c.batch_execute("VACUUM ANALYZE dedup.inbox_default").unwrap();
-    let started = |c: &mut Client| -> String {
-        c.query_one("SELECT pg_postmaster_start_time()::text", &[]).unwrap().get(0)
-    };
+    let started =
+        |c: &mut Client| -> String { c.query_one("SELECT pg_postmaster_start_time()::text", &[]).unwrap().get(0) };
     let before = started(&mut c);
     c.batch_execute("SET statement_timeout = '20ms'").unwrap();
     let err = c.batch_execute("SELECT dedup.purge()").expect_err("500,000 rows take longer than 20 ms to purge");
