@@ -449,6 +449,30 @@ mod tests {
     }
 
     #[pg_test]
+    fn a_cancel_met_in_the_walk_is_an_error() {
+        expired_inbox("cancelled", 5, 0);
+        let inbox = crate::inbox::open("cancelled", crate::inbox::Access::Delete);
+        let now = crate::clock::statement_now();
+        // SAFETY: reads a backend global.
+        let context = unsafe { pg_sys::CurrentMemoryContext };
+        let caught = crate::xact::subtransaction(|| {
+            // A cancel asked for as its signal handler asks: nothing on the way checks for interrupts before the
+            // walk does, after its first entry, under its one guard (`unguarded`).
+            // SAFETY: sets the flags a signal handler sets, in this process.
+            unsafe {
+                pg_sys::QueryCancelPending = 1;
+                pg_sys::InterruptPending = 1;
+            }
+            crate::direct::delete_expired(&inbox, now, None, 10, false, None, false).map(|deleted| deleted.rows)
+        });
+        let error = caught.expect_err("the cancel is an ERROR");
+        assert_eq!(crate::xact::code_of(&error), PgSqlErrorCode::ERRCODE_QUERY_CANCELED);
+        // SAFETY: reads a backend global.
+        assert_eq!(unsafe { pg_sys::CurrentMemoryContext }, context, "back in the caller's memory context");
+        assert_eq!(count("dedup.inbox_cancelled"), 5, "what the walk deleted was rolled back with it");
+    }
+
+    #[pg_test]
     fn purge_directly_deletes_only_expired_marks_up_to_the_limit() {
         expired_inbox("direct", 5, 3);
         run("UPDATE dedup.inbox_direct SET expires_at = now() + interval '1 hour' WHERE id = 'e1'");

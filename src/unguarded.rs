@@ -17,9 +17,10 @@
 //! - they are methods of `Guard`, which only `guarded` makes, so they can only be called inside it: an ERROR raised
 //!   by any of them jumps back to that one guard, which turns it into a Rust panic as the per-call guard would. The
 //!   frames the jump leaves are the closure's alone, so the closure must hold nothing with a destructor and must not
-//!   panic (the guard is entered through an `extern "C"` frame, which a panic may not cross): only these calls,
-//!   plain pointers and numbers. Not a `pg_sys` function either: its own guard would turn an ERROR into a panic
-//!   inside the closure.
+//!   panic (the guard is entered through an `extern "C"` frame, which a panic may not cross): these calls, plain
+//!   pointers and numbers, and Rust code that cannot panic (it may change what it borrows, as the purge's walk
+//!   does). Not a `pg_sys` function nor a pgrx macro that calls PostgreSQL (`check_for_interrupts!`, `debug1!`):
+//!   their own guard would turn an ERROR into a panic inside the closure.
 
 #![allow(non_snake_case)]
 
@@ -129,7 +130,8 @@ unguarded! {
 }
 
 impl Guard {
-    /// `CHECK_FOR_INTERRUPTS()`: serves a cancel or a termination asked for meanwhile (by an ERROR, or by exiting).
+    /// `CHECK_FOR_INTERRUPTS()`: serves what was asked for meanwhile (a cancel or a timeout raises an ERROR, a
+    /// termination exits; most else returns).
     ///
     /// # Safety
     /// As `ProcessInterrupts`: callable wherever a query may be cancelled.
@@ -143,7 +145,7 @@ impl Guard {
     }
 }
 
-/// Runs `calls`, a sequence of `Guard`'s functions, under one guard: an ERROR any of them raises becomes a Rust
+/// Runs `calls`, a sequence or a loop of `Guard`'s functions, under one guard: an ERROR any of them raises becomes a Rust
 /// panic here, as it would at each `pg_sys` function's own guard.
 ///
 /// # Safety

@@ -228,7 +228,8 @@ impl<'a> Rewalk<'a> {
     /// pointer an entry leads to can be freed on it while the walk holds its lock (`start`).
     ///
     /// # Safety
-    /// `rel` must be the open table the rows were deleted from.
+    /// `rel` must be the open table the rows were deleted from. It runs under the walk's one guard (`pg`): it may
+    /// call no `pg_sys` function nor pgrx macro that calls PostgreSQL, and must not panic (`unguarded`).
     unsafe fn unchanged_row(
         &mut self,
         pg: &Guard,
