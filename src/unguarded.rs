@@ -145,8 +145,8 @@ impl Guard {
     }
 }
 
-/// Runs `calls`, a sequence or a loop of `Guard`'s functions, under one guard: an ERROR any of them raises becomes a Rust
-/// panic here, as it would at each `pg_sys` function's own guard.
+/// Runs `calls`, a sequence or a loop of `Guard`'s functions, under one guard: an ERROR any of them raises becomes a
+/// Rust panic here, as it would at each `pg_sys` function's own guard.
 ///
 /// # Safety
 /// Each call must be one its `pg_sys` twin could make; `calls` must hold nothing with a destructor, must not panic

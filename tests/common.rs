@@ -113,6 +113,12 @@ pub fn anonymous_bytes(pid: i32) -> u64 {
         .unwrap_or(0)
 }
 
+/// When the server last started: a backend that crashed makes the postmaster restart every session, so a test
+/// compares this before and after.
+pub fn postmaster_started(client: &mut Client) -> String {
+    client.query_one("SELECT pg_postmaster_start_time()::text", &[]).expect("start time").get(0)
+}
+
 /// The backend pid of a connection, to watch it from another one.
 pub fn backend_pid(client: &mut Client) -> i32 {
     client.query_one("SELECT pg_backend_pid()", &[]).expect("pid").get(0)

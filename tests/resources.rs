@@ -249,9 +249,7 @@ fn a_purge_cancelled_within_its_walk_is_an_ordinary_error() {
     )
     .unwrap();
     c.batch_execute("VACUUM ANALYZE dedup.inbox_default").unwrap();
-    let started =
-        |c: &mut Client| -> String { c.query_one("SELECT pg_postmaster_start_time()::text", &[]).unwrap().get(0) };
-    let before = started(&mut c);
+    let before = postmaster_started(&mut c);
     c.batch_execute("SET statement_timeout = '20ms'").unwrap();
     let err = c.batch_execute("SELECT dedup.purge()").expect_err("500,000 rows take longer than 20 ms to purge");
     let db = err.as_db_error().expect("a server error");
@@ -259,7 +257,7 @@ fn a_purge_cancelled_within_its_walk_is_an_ordinary_error() {
     assert_eq!(db.message(), "canceling statement due to statement timeout");
     assert_eq!(db.detail(), None, "a Rust backtrace or panic reached the client: {:?}", db.detail());
     let mut other = cluster.connect("purge_cancel");
-    assert_eq!(started(&mut other), before, "the server restarted");
+    assert_eq!(postmaster_started(&mut other), before, "the server restarted");
     assert_eq!(count(&mut other, "dedup.inbox_default"), 500_000, "the cancelled purge deleted rows");
     c.batch_execute("RESET statement_timeout").unwrap();
     let purged: i64 = c.query_one("SELECT dedup.purge()", &[]).unwrap().get(0);
