@@ -133,14 +133,21 @@ fn load(c: &mut Client, variant: usize, feed: &str, rows: i64) -> f64 {
 /// a `bloom_rebuild()` meanwhile fails with 55006 rather than wait (a full run of 26a0905 died of it in this section,
 /// after an hour). Retries for up to a minute.
 fn rebuild_filter(c: &mut Client) {
-    let deadline = Instant::now() + Duration::from_secs(60);
+    let started = Instant::now();
+    let deadline = started + Duration::from_secs(60);
     loop {
         match c.batch_execute("SELECT dedup.bloom_rebuild()") {
-            Ok(()) => return,
-            Err(e) if e.code() == Some(&SqlState::OBJECT_NOT_IN_PREREQUISITE_STATE) && Instant::now() < deadline => {
+            Ok(()) => {
+                let waited = started.elapsed();
+                if waited > Duration::from_millis(50) {
+                    eprintln!("[bench] ingest: bloom_rebuild() waited {:.1} s for another load", waited.as_secs_f64());
+                }
+                return;
+            }
+            Err(e) if e.code() == Some(&SqlState::OBJECT_IN_USE) && Instant::now() < deadline => {
                 std::thread::sleep(Duration::from_millis(50))
             }
-            Err(e) => panic!("dedup.bloom_rebuild(): {e}"),
+            Err(e) => panic!("dedup.bloom_rebuild(): {e:?}"),
         }
     }
 }
