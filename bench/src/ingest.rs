@@ -128,26 +128,23 @@ fn load(c: &mut Client, variant: usize, feed: &str, rows: i64) -> f64 {
     rows as f64 / started.elapsed().as_secs_f64()
 }
 
-/// `dedup.bloom_rebuild()`, once any load of the filter another process has under way is over: the worker loads the
-/// inboxes it has not loaded yet (the two this section creates) and rotates a filter past its target on its own, and
-/// a `bloom_rebuild()` meanwhile fails with 55006 rather than wait (a full run of 26a0905 died of it in this section,
-/// after an hour). Retries for up to a minute.
+/// `dedup.bloom_rebuild()`, once any load of the filter another process has under way is over. The worker loads and
+/// rotates the filter on its own, and a `bloom_rebuild()` meanwhile fails with 55006 rather than wait (two full runs
+/// died of it in this section, after an hour each). Retries for up to a minute, and says on stderr how long it waited.
 fn rebuild_filter(c: &mut Client) {
-    let started = Instant::now();
-    let deadline = started + Duration::from_secs(60);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut waited = Duration::ZERO;
     loop {
         match c.batch_execute("SELECT dedup.bloom_rebuild()") {
-            Ok(()) => {
-                let waited = started.elapsed();
-                if waited > Duration::from_millis(50) {
-                    eprintln!("[bench] ingest: bloom_rebuild() waited {:.1} s for another load", waited.as_secs_f64());
-                }
-                return;
-            }
+            Ok(()) => break,
             Err(e) if e.code() == Some(&SqlState::OBJECT_IN_USE) && Instant::now() < deadline => {
-                std::thread::sleep(Duration::from_millis(50))
+                std::thread::sleep(Duration::from_millis(50));
+                waited += Duration::from_millis(50);
             }
             Err(e) => panic!("dedup.bloom_rebuild(): {e:?}"),
         }
+    }
+    if !waited.is_zero() {
+        eprintln!("[bench] ingest: bloom_rebuild() waited about {:.1} s for another load", waited.as_secs_f64());
     }
 }
